@@ -1,0 +1,142 @@
+"""Differentiable collectives used inside the model (tensor and expert parallelism).
+
+Each function takes a process group; `None` (or a group of size 1) makes it the identity, so the same model code
+runs on one CPU process, colocated, or sharded. The pairs are each other's adjoints:
+copy_to <-> reduce_from (Megatron's f / g), all_gather_dim <-> split_dim, all_to_all with swapped splits.
+"""
+import torch
+import torch.distributed as dist
+
+
+def group_size(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group):
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce(sum) of the gradient backward: the input of a column-parallel layer."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce(sum) forward, identity backward: the output of a row-parallel layer."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGatherDim(torch.autograd.Function):
+    """Concatenate equal shards along `dim`; backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
+
+
+class _SplitDim(torch.autograd.Function):
+    """Keep this rank's equal slice along `dim` of a replicated tensor; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 with uneven splits; backward runs the same exchange with splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def copy_to(x, group):
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from(x, group):
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def all_gather_dim(x, dim, group):
+    return x if group_size(group) == 1 else _AllGatherDim.apply(x, dim, group)
+
+
+def split_dim(x, dim, group):
+    return x if group_size(group) == 1 else _SplitDim.apply(x, dim, group)
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    return x if group_size(group) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def shard(full, dim, rank, size, segments=None):
+    """This rank's slice of a full tensor: each segment along `dim` is split in `size` equal parts.
+
+    `segments` lists the lengths of concatenated blocks that are each sharded on their own (Mamba in_proj is
+    [z | x | B | C | dt]); None means one block. `unshard` is the inverse over all ranks' slices.
+    """
+    segments = segments or [full.shape[dim]]
+    blocks = torch.split(full, segments, dim)
+    return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim)
+
+
+def unshard(slices, dim, segments=None):
+    """Full tensor from the list of every rank's slice (inverse of `shard`)."""
+    size = len(slices)
+    segments = segments or [sum(s.shape[dim] for s in slices)]
+    local = [n // size for n in segments]
+    per_rank = [torch.split(s, local, dim) for s in slices]
+    return torch.cat([torch.cat([per_rank[r][i] for r in range(size)], dim) for i in range(len(segments))], dim)
+
+
+def mark_shard(param, *shards):
+    """Record how a parameter is split: each shard is (group_kind, dim, segments), group_kind in tp/ep/etp.
+
+    Checkpoints use it to assemble full tensors, the grad norm to count replicated parameters once.
+    Unmarked parameters are replicated within their module's model-parallel group.
+    """
+    param.shards = tuple(shards)
+    return param

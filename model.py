@@ -1,0 +1,234 @@
+"""Hybrid Mamba2 / attention / MoE decoder (Nemotron-3-Nano family) and the VLM wiring around it.
+
+    h = embeddings(ids)                         # vocab-parallel, no position embedding
+    for each layer (pattern char M * E -):  h = h + mixer(RMSNorm(h))
+    logits = lm_head(norm_f(h))                 # untied, vocab-parallel; loss without a full-vocab gather
+
+Module names equal the HF NemotronH checkpoint names (backbone.layers.{i}.mixer.…), except that a layer's routed
+experts are stacked into experts.up_proj [E, F, D] / experts.down_proj [E, D, F] for grouped GEMM.
+Every module takes its process groups (None = single device); local shapes are the full shapes / group size.
+"""
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import comm
+from mamba import Mamba2Mixer
+from moe import MLP, MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal GQA, no RoPE, no bias; heads and KV groups split over tp; documents masked when packed."""
+
+    def __init__(self, cfg, tp_group=None):
+        super().__init__()
+        tp = comm.group_size(tp_group)
+        self.tp_group, self.head_dim = tp_group, cfg.head_dim
+        self.n_heads, self.n_kv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
+        D = cfg.hidden_size
+        self.q_proj = nn.Linear(D, self.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * cfg.head_dim, D, bias=False)
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            comm.mark_shard(lin.weight, ("tp", 0, None))
+        comm.mark_shard(self.o_proj.weight, ("tp", 1, None))
+
+    def forward(self, x_BLD, seq_idx=None):
+        Bsz, L, _ = x_BLD.shape
+        x_BLD = comm.copy_to(x_BLD, self.tp_group)
+        q = self.q_proj(x_BLD).view(Bsz, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BLD).view(Bsz, L, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BLD).view(Bsz, L, self.n_kv, self.head_dim).transpose(1, 2)
+        if seq_idx is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(seq_idx), enable_gqa=True)
+        o = o.transpose(1, 2).reshape(Bsz, L, self.n_heads * self.head_dim)
+        return comm.reduce_from(self.o_proj(o), self.tp_group)
+
+
+def document_causal_mask(seq_idx_BL):
+    """[B, 1, L, L] bool: query t sees key s <= t of the same document."""
+    L = seq_idx_BL.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=seq_idx_BL.device).tril()
+    return (causal & (seq_idx_BL[:, :, None] == seq_idx_BL[:, None, :]))[:, None]
+
+
+class Block(nn.Module):
+    def __init__(self, kind, cfg, groups, dispatcher):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        tp = groups.get("tp")
+        if kind == "M":
+            self.mixer = Mamba2Mixer(cfg, tp)
+        elif kind == "*":
+            self.mixer = Attention(cfg, tp)
+        elif kind == "E":
+            self.mixer = MoE(cfg, tp, groups.get("ep"), groups.get("etp"), dispatcher)
+        else:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+
+    def forward(self, h, seq_idx=None):
+        x = self.norm(h)
+        return h + (self.mixer(x, seq_idx) if self.kind in "M*" else self.mixer(x))
+
+
+class VocabEmbedding(nn.Module):
+    """Rows [V/tp * rank, V/tp * (rank+1)) of the table; ids elsewhere look up zero, then sum over tp."""
+
+    def __init__(self, vocab, dim, tp_group=None):
+        super().__init__()
+        self.tp_group = tp_group
+        local = vocab // comm.group_size(tp_group)
+        self.start = local * comm.group_rank(tp_group)
+        self.weight = nn.Parameter(torch.empty(local, dim))
+        comm.mark_shard(self.weight, ("tp", 0, None))
+
+    def forward(self, ids):
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        h = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
+        return comm.reduce_from(h, self.tp_group)
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg, groups=None, dispatcher="alltoall"):
+        super().__init__()
+        groups = groups or {}
+        self.cfg, self.tp_group = cfg, groups.get("tp")
+        tp = comm.group_size(self.tp_group)
+        if cfg.vocab_size % tp:
+            raise ValueError(f"vocab_size {cfg.vocab_size} is not divisible by tp {tp}")
+        self.backbone = nn.Module()
+        self.backbone.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp_group)
+        self.backbone.layers = nn.ModuleList(Block(k, cfg, groups, dispatcher) for k in cfg.hybrid_override_pattern)
+        self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
+        comm.mark_shard(self.lm_head.weight, ("tp", 0, None))
+        self.checkpoint_layers = False
+
+    def embed(self, input_ids):
+        return self.backbone.embeddings(input_ids)
+
+    def forward(self, h_BLD, seq_idx=None):
+        """Embedded input (image rows already placed) -> final normed hidden states."""
+        for layer in self.backbone.layers:
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, use_reentrant=False)
+            else:
+                h_BLD = layer(h_BLD, seq_idx)
+        return self.backbone.norm_f(h_BLD)
+
+    def logits(self, hidden):
+        """This rank's vocab slice of the logits (the full logits when tp = 1)."""
+        return self.lm_head(comm.copy_to(hidden, self.tp_group))
+
+    def loss_sum(self, hidden, labels):
+        """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation)."""
+        logits = self.logits(hidden).float().flatten(0, 1)
+        losses = vocab_parallel_cross_entropy(logits, labels.flatten(), self.tp_group)
+        return losses.sum(), (labels != -100).sum()
+
+
+def vocab_parallel_cross_entropy(logits_NV, targets_N, group=None):
+    """Per-token CE over a vocab split across `group`; no rank ever holds the full logits. -100 -> loss 0."""
+    V = logits_NV.shape[-1]
+    start = V * comm.group_rank(group)
+    with torch.no_grad():  # a constant shift: any value keeps the math exact, the max keeps exp() finite
+        shift = logits_NV.max(-1, keepdim=True).values
+        if comm.group_size(group) > 1:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+    z = logits_NV - shift
+    sum_exp = comm.reduce_from(z.exp().sum(-1), group)
+    local_t = targets_N - start
+    inside = (local_t >= 0) & (local_t < V)
+    picked = z.gather(-1, local_t.clamp(0, V - 1)[:, None]).squeeze(-1) * inside
+    target_logit = comm.reduce_from(picked, group)
+    return (torch.log(sum_exp) - target_logit) * (targets_N != -100)
+
+
+def place_images(h_BLD, input_ids, image_rows, rows_per_sample, image_token_id):
+    """Write image embedding rows into the placeholder positions, in order (masked_scatter)."""
+    is_image = input_ids == image_token_id
+    counts = is_image.sum(1).tolist()
+    for b, (n_slots, n_rows) in enumerate(zip(counts, rows_per_sample)):
+        if n_slots != n_rows:
+            raise ValueError(f"sample {b}: {n_slots} image placeholder tokens but {n_rows} image embedding rows")
+    if image_rows.shape[0] == 0:
+        return h_BLD
+    return h_BLD.masked_scatter(is_image[..., None], image_rows.to(h_BLD.dtype))
+
+
+# ---------------------------------------------------------------- initialisation (independent of the layout)
+
+def init_weights(model, seed, coords, cfg, extra_rule=None):
+    """Draw every parameter as its full tensor from a generator seeded by (seed, name), then keep this rank's
+    shard. The initial model is then the same for every layout (tp, ep, hetero or colocated).
+
+    coords: {"tp": (rank, size), "ep": ..., "etp": ...}. extra_rule(name, shape, gen) may return a tensor
+    for parameters of another module family (the vision tower).
+    """
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(len(cfg.hybrid_override_pattern))
+    for name, p in model.named_parameters():
+        shards = getattr(p, "shards", ())
+        shape = list(p.shape)
+        for kind, dim, _ in shards:
+            shape[dim] *= coords.get(kind, (0, 1))[1]
+        gen = torch.Generator(p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = (extra_rule and extra_rule(name, shape, gen)) if extra_rule else None
+        if full is None:
+            full = _decoder_rule(name, shape, gen, std, out_std, cfg.conv_kernel, p.device)
+        for kind, dim, segments in shards:
+            rank, size = coords.get(kind, (0, 1))
+            full = comm.shard(full, dim, rank, size, segments)
+        with torch.no_grad():
+            p.copy_(full)
+
+
+def _decoder_rule(name, shape, gen, std, out_std, conv_kernel, device):
+    def uniform(lo, hi):
+        return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "A_log":                                   # A ~ U[1, 16]
+        return torch.log(uniform(1.0, 16.0))
+    if leaf == "dt_bias":                                 # dt log-uniform in [1e-3, 1e-1], bias = softplus^-1(dt)
+        dt = torch.exp(uniform(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
+    if "conv1d" in name:                                  # kaiming_uniform(a=sqrt 5) on fan_in = width
+        return uniform(-1 / math.sqrt(conv_kernel), 1 / math.sqrt(conv_kernel))
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    if leaf == "D" or "norm" in name:
+        return torch.ones(shape, device=device)
+    if any(k in name for k in ("out_proj", "o_proj", "down_proj")):  # output layers: std / sqrt(layers)
+        return torch.randn(shape, generator=gen, device=device) * out_std
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+# ---------------------------------------------------------------- parameter counts
+
+def count_language_params(cfg):
+    """(total, active per token) of the language model, embedding and LM head included, buffers excluded."""
+    with torch.device("meta"):
+        lm = LanguageModel(cfg)
+    total = sum(p.numel() for p in lm.parameters())
+    per_expert = 2 * cfg.hidden_size * cfg.moe_intermediate_size
+    idle = cfg.hybrid_override_pattern.count("E") * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    return total, total - idle

@@ -1,0 +1,265 @@
+"""Mixture of experts: sigmoid router with expert bias, squared-ReLU experts, shared expert, EP/ETP dispatch.
+
+Token flow of one MoE layer (x is replicated over the language tp group, as every activation between layers):
+  router on all tokens (fp32, replicated)            -> topk ids [T, K], weights [T, K], seq aux loss (via grad)
+  each tp rank keeps its 1/tp slice of the tokens     -> distinct tokens per rank, so ep/etp peers share work
+  dispatch: sort by expert, all_to_all over ep (+ all-gather over etp), grouped GEMM, and back
+  combine: weight on the sender, index_add into token order, all-gather the tp slices
+  + shared expert (tensor parallel like a dense MLP)
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import comm
+
+
+class Router(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.top_k, self.scale, self.aux_coeff = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.moe_aux_loss_coeff
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
+        # Expert bias: chosen by the balancing rule, never by the optimizer; kept fp32 (HF name).
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+
+    def forward(self, x_BLD):
+        """-> topk ids [B*L, K] (int64), routing weights [B*L, K] (fp32, differentiable)."""
+        Bsz, L, _ = x_BLD.shape
+        logits = F.linear(x_BLD.reshape(Bsz * L, -1).float(), self.weight.float())
+        scores = torch.sigmoid(logits)
+        topk_idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices  # bias: choice only
+        picked = scores.gather(-1, topk_idx)
+        topk_w = self.scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
+        if self.training and torch.is_grad_enabled() and self.aux_coeff > 0:
+            topk_w = AuxLossInjector.apply(topk_w, seq_aux_loss(scores.view(Bsz, L, -1), self.top_k, self.aux_coeff))
+        return topk_idx, topk_w
+
+
+def seq_aux_loss(scores_BLE, top_k, coeff):
+    """DeepSeek-V3 sequence-wise balance loss: coeff/B * sum_b sum_i f_bi * P_bi (bias-free scores)."""
+    Bsz, L, E = scores_BLE.shape
+    s_hat = scores_BLE / (scores_BLE.sum(-1, keepdim=True) + 1e-20)
+    chosen = torch.zeros_like(s_hat).scatter_(-1, torch.topk(s_hat, top_k, dim=-1).indices, 1.0)
+    f = chosen.sum(1) * E / (top_k * L)      # [B, E], no gradient
+    P = s_hat.mean(1)                        # [B, E]
+    return coeff * (f * P).sum() / Bsz
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Pass `x` through; in backward add d(scale * aux)/d(theta) (Megatron's MoEAuxLossAutoScaler).
+
+    The aux loss never enters the loss scalar. `scale` is set by the training loop to the weight of this
+    micro-batch in the per-token objective (1 for a single micro-batch on one lane).
+    """
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, AuxLossInjector.scale)
+
+
+class MLP(nn.Module):
+    """relu(up(x))^2 -> down, no bias, no gate. Column/row parallel over tp (dense '-' layer, shared expert)."""
+
+    def __init__(self, hidden, ffn, tp_group=None):
+        super().__init__()
+        self.tp_group = tp_group
+        local = ffn // comm.group_size(tp_group)
+        self.up_proj = nn.Linear(hidden, local, bias=False)
+        self.down_proj = nn.Linear(local, hidden, bias=False)
+        comm.mark_shard(self.up_proj.weight, ("tp", 0, None))
+        comm.mark_shard(self.down_proj.weight, ("tp", 1, None))
+
+    def forward(self, x):
+        x = comm.copy_to(x, self.tp_group)
+        return comm.reduce_from(self.down_proj(F.relu(self.up_proj(x)).square()), self.tp_group)
+
+
+class Experts(nn.Module):
+    """This rank's E/ep experts, stacked for grouped GEMM; each holds an F/etp slice of the ffn width."""
+
+    def __init__(self, cfg, ep_group=None, etp_group=None):
+        super().__init__()
+        n_local = cfg.n_routed_experts // comm.group_size(ep_group)
+        f_local = cfg.moe_intermediate_size // comm.group_size(etp_group)
+        self.up_proj = nn.Parameter(torch.empty(n_local, f_local, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n_local, cfg.hidden_size, f_local))
+        comm.mark_shard(self.up_proj, ("ep", 0, None), ("etp", 1, None))
+        comm.mark_shard(self.down_proj, ("ep", 0, None), ("etp", 2, None))
+
+    def forward(self, x_RD, counts):
+        """x sorted by local expert, counts [n_local] (host list) -> partial outputs (summed over etp later)."""
+        h = grouped_mm(x_RD, self.up_proj, counts)
+        return grouped_mm(F.relu(h).square(), self.down_proj, counts)
+
+
+def grouped_mm(x_RD, w_GND, counts):
+    """Rows of group g times w[g]^T. bf16 CUDA: one torch grouped GEMM; otherwise a loop over groups."""
+    if x_RD.is_cuda and x_RD.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        offs = torch.cumsum(torch.tensor(counts, device=x_RD.device), 0, dtype=torch.int32)
+        return F.grouped_mm(x_RD, w_GND.to(x_RD.dtype).transpose(-2, -1), offs=offs)
+    parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RD, counts), w_GND)]
+    return torch.cat(parts) if parts else x_RD.new_zeros(0, w_GND.shape[1])
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, tp_group=None, ep_group=None, etp_group=None, dispatcher="alltoall"):
+        super().__init__()
+        self.tp_group, self.ep_group, self.etp_group = tp_group, ep_group, etp_group
+        self.num_experts = cfg.n_routed_experts
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, ep_group, etp_group)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, tp_group)
+        if dispatcher not in ("alltoall", "deepep"):
+            raise ValueError(f"unknown moe dispatcher {dispatcher!r} (alltoall | deepep)")
+        self.deepep = DeepEPDispatch(ep_group, self.num_experts) if dispatcher == "deepep" else None
+
+    def forward(self, x_BLD):
+        Bsz, L, D = x_BLD.shape
+        topk_idx, topk_w = self.gate(x_BLD)
+        x_TD = x_BLD.reshape(Bsz * L, D)
+        tp = comm.group_size(self.tp_group)
+        if tp > 1:  # each tp rank routes its own token slice; backward all-gathers so upstream grads are whole
+            if (Bsz * L) % tp:
+                raise ValueError(f"MoE with tp={tp} needs batch*seq ({Bsz * L}) divisible by tp")
+            rank = comm.group_rank(self.tp_group)
+            x_TD = comm.split_dim(x_TD, 0, self.tp_group)
+            topk_w = comm.split_dim(topk_w, 0, self.tp_group)
+            topk_idx = topk_idx.chunk(tp)[rank]
+        if self.training and torch.is_grad_enabled():  # bias-influenced choices, counted once per token
+            self.gate.tokens_per_expert += torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).float()
+        y_TD = (self.deepep or self._alltoall_dispatch)(x_TD, topk_idx, topk_w, self.experts)
+        y_TD = comm.all_gather_dim(y_TD, 0, self.tp_group)
+        return y_TD.view(Bsz, L, D) + self.shared_experts(x_BLD)
+
+    def _alltoall_dispatch(self, x_TD, topk_idx, topk_w, experts):
+        """Dropless all_to_all dispatch; routing weights stay on the sender and apply after the return trip."""
+        T, K = topk_idx.shape
+        ep, etp = comm.group_size(self.ep_group), comm.group_size(self.etp_group)
+        n_local = self.num_experts // ep
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
+        src_tok = order // K
+        x_send = x_TD[src_tok]
+        w_sorted = topk_w.reshape(-1)[order]
+        cnt = torch.bincount(flat, minlength=self.num_experts)
+        cnt_recv = cnt.view(ep, n_local).clone()                 # [source ep rank, local expert]
+        if ep > 1:
+            dist.all_to_all_single(cnt_recv, cnt.view(ep, n_local).contiguous(), group=self.ep_group)
+        in_splits = cnt.view(ep, n_local).sum(1).tolist()        # the one host sync of the layer
+        out_splits = cnt_recv.sum(1).tolist()
+        x_recv = comm.all_to_all(x_send, out_splits, in_splits, self.ep_group)
+        if etp > 1:  # etp peers hold other ffn slices of the same experts: everyone sees everyone's rows
+            cnt_all = [torch.empty_like(cnt_recv) for _ in range(etp)]
+            dist.all_gather(cnt_all, cnt_recv, group=self.etp_group)
+            cnt_recv = torch.cat(cnt_all)                        # [(etp source, ep source), local expert]
+            sizes = [int(c.sum()) for c in cnt_all]
+            x_recv = comm.all_to_all(x_recv.repeat(etp, 1), sizes, [x_recv.shape[0]] * etp, self.etp_group)
+        perm = _source_to_expert_order(cnt_recv)
+        y_exp = experts(x_recv[perm], cnt_recv.sum(0).tolist())
+        y_recv = torch.empty_like(y_exp).index_copy(0, perm, y_exp)
+        if etp > 1:  # sum the ffn-slice partials and keep own rows (the adjoint of the gather above)
+            n_own = sum(out_splits)
+            y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
+        y_back = comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
+        y_back = (y_back.float() * w_sorted[:, None]).to(y_back.dtype)
+        return torch.zeros_like(x_TD).index_add(0, src_tok, y_back)
+
+
+def _source_to_expert_order(cnt_SJ):
+    """Rows arrive source-major (s, then local expert j); experts want (j, then s). Returns that gather index."""
+    S, J = cnt_SJ.shape
+    seg_len = cnt_SJ.T.reshape(-1)                               # segments in (j, s) order
+    in_start = (torch.cumsum(cnt_SJ.reshape(-1), 0) - cnt_SJ.reshape(-1)).view(S, J).T.reshape(-1)
+    out_start = torch.cumsum(seg_len, 0) - seg_len
+    R = int(seg_len.sum())
+    seg_id = torch.repeat_interleave(torch.arange(S * J, device=cnt_SJ.device), seg_len, output_size=R)
+    return in_start[seg_id] + torch.arange(R, device=cnt_SJ.device) - out_start[seg_id]
+
+
+class DeepEPDispatch:
+    """DeepEP (V1 `Buffer`) intranode dispatch/combine behind the same call as the all_to_all path."""
+
+    def __init__(self, ep_group, num_experts):
+        try:
+            import deep_ep
+        except ImportError as e:
+            raise SystemExit("--moe-dispatcher deepep needs the deep_ep package (DeepEP >= 1.1 built for this "
+                             "torch/CUDA); it is not installed. Use --moe-dispatcher alltoall.") from e
+        self.deep_ep, self.group, self.num_experts, self.buffer = deep_ep, ep_group, num_experts, None
+
+    def __call__(self, x_TD, topk_idx, topk_w, experts):
+        if self.buffer is None:
+            hidden_bytes = x_TD.shape[1] * max(x_TD.element_size(), 2)
+            n = dist.get_world_size(self.group)
+            cfgs = (self.deep_ep.Buffer.get_dispatch_config(n), self.deep_ep.Buffer.get_combine_config(n))
+            nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, n) for c in cfgs)
+            self.buffer = self.deep_ep.Buffer(self.group, nvl, 0)
+        return _DeepEPRoundTrip.apply(x_TD, topk_idx, topk_w, experts.up_proj, experts.down_proj, self)
+
+
+class _DeepEPRoundTrip(torch.autograd.Function):
+    """dispatch -> local experts (weighted by received probs) -> combine; backward mirrors it with the handle."""
+
+    @staticmethod
+    def forward(ctx, x_TD, topk_idx, topk_w, w_up, w_down, disp):
+        buf = disp.buffer
+        n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(topk_idx, disp.num_experts)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x_TD, topk_idx=topk_idx, topk_weights=topk_w.float(), num_tokens_per_rank=n_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
+        with torch.enable_grad():
+            recv_x = recv_x.detach().requires_grad_()
+            recv_w = recv_w.detach().requires_grad_()
+            w_up_, w_down_ = w_up.detach().requires_grad_(), w_down.detach().requires_grad_()
+            y = _local_experts(recv_x, recv_idx, recv_w, w_up_, w_down_, counts)
+        combined, _, _ = buf.combine(y.detach(), handle)
+        ctx.save_for_backward(recv_x, recv_w, w_up_, w_down_, y)
+        ctx.handle, ctx.buf = handle, buf
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_x, recv_w, w_up, w_down, y = ctx.saved_tensors
+        grad_y, _, _, _, _, _ = ctx.buf.dispatch(grad.contiguous(), handle=ctx.handle)
+        gx, gw, gup, gdown = torch.autograd.grad(y, (recv_x, recv_w, w_up, w_down), grad_y)
+        grad_x, grad_w, _ = ctx.buf.combine(gx, ctx.handle, topk_weights=gw)
+        return grad_x, None, grad_w, gup, gdown, None
+
+
+def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
+    """Rows received from DeepEP (one per token and rank; local expert ids, -1 = not here) through the experts."""
+    R, K = recv_idx.shape
+    flat = recv_idx.reshape(-1)
+    keep = (flat >= 0).nonzero().squeeze(1)
+    order = keep[torch.argsort(flat[keep], stable=True)]
+    rows = order // K
+    h = grouped_mm(recv_x[rows], w_up, list(counts))
+    out = grouped_mm(F.relu(h).square(), w_down, list(counts)) * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
+    return torch.zeros_like(recv_x).index_add(0, rows, out)
+
+
+@torch.no_grad()
+def update_expert_bias(model, rate, group=None):
+    """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), then reset counts.
+
+    Counts are summed over the language tp x dp group first (each rank counted distinct tokens).
+    """
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not routers:
+        return
+    counts = torch.stack([r.tokens_per_expert for r in routers])
+    if comm.group_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    for r, n in zip(routers, counts):
+        r.e_score_correction_bias += rate * torch.sign(n.mean() - n)
+        r.tokens_per_expert.zero_()

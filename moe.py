@@ -104,6 +104,8 @@ class Experts(nn.Module):
 
 def grouped_mm(x_RD, w_GND, counts):
     """Rows of group g times w[g]^T. bf16 CUDA: one torch grouped GEMM; otherwise a loop over groups."""
+    if x_RD.is_cuda and torch.is_autocast_enabled("cuda"):  # grouped_mm is not autocast-aware
+        x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
     if x_RD.is_cuda and x_RD.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
         offs = torch.cumsum(torch.tensor(counts, device=x_RD.device), 0, dtype=torch.int32)
         return F.grouped_mm(x_RD, w_GND.to(x_RD.dtype).transpose(-2, -1), offs=offs)
@@ -172,7 +174,7 @@ class MoE(nn.Module):
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
         y_back = comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
         y_back = (y_back.float() * w_sorted[:, None]).to(y_back.dtype)
-        return torch.zeros_like(x_TD).index_add(0, src_tok, y_back)
+        return y_back.new_zeros(x_TD.shape).index_add(0, src_tok, y_back)
 
 
 def _source_to_expert_order(cnt_SJ):

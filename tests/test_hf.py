@@ -1,0 +1,261 @@
+"""Checkpoint format and HF nemotron_h export/import: round trips, file layout, errors, and logits parity with
+transformers' NemotronHForCausalLM (CPU, fp32)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import checkpoint
+import config
+import model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tiny ('MEM*EM-E': Mamba, MoE, attention, dense MLP) and a variant with wider routing (top-6 of 16),
+# MQA (one KV head) and one SSM group, so the MoE path and head grouping are exercised beyond top-2 of 8.
+VARIANTS = {
+    "tiny": {},
+    "moe16": dict(hybrid_override_pattern="ME*EM-E", n_routed_experts=16, num_experts_per_tok=6,
+                  num_key_value_heads=1, n_groups=1, routed_scaling_factor=1.7),
+}
+
+
+def build_lm(seed=0, hf_ready=False, **overrides):
+    cfg = config.resolve("tiny", overrides)
+    lm = model.LanguageModel(cfg)
+    model.init_weights(lm, seed, {}, cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in lm.named_buffers():   # a nonzero expert bias, large enough to change the top-k choice
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+        if hf_ready:
+            # HF 5.x's torch Mamba path clamps dt at time_step_min (its time_step_limit is (time_step_min, inf));
+            # ours, like the CUDA kernels and Megatron, does not clamp. Our init puts softplus(dt_bias) at 1e-3
+            # and up, so with in_proj's contribution some dt fall below 1e-3. Shifting dt_bias by +3 keeps every
+            # softplus(dt) far above 1e-3, so both implementations compute the same thing.
+            for name, p in lm.named_parameters():
+                if name.endswith("dt_bias"):
+                    p.add_(3.0)
+    return cfg, lm.eval()
+
+
+def random_ids(cfg, seed=0, shape=(2, 37)):    # 37: not a multiple of chunk_size, exercises SSD padding
+    return torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def our_logits(lm, ids):
+    return lm.logits(lm(lm.embed(ids)))
+
+
+def assert_same_tensors(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---------------------------------------------------------------- our format
+
+def test_save_load_model_generic_state_dict(tmp_path):
+    cfg, lm = build_lm()
+    sd = dict(lm.state_dict())
+    assert any(k.endswith("e_score_correction_bias") for k in sd)          # persistent buffer: saved
+    assert not any(k.endswith("tokens_per_expert") for k in sd)            # non-persistent counter: not saved
+    sd["vision.blocks.0.weight"] = torch.randn(3, 4)                       # a VLM checkpoint holds more than the LM
+    checkpoint.save_model(tmp_path, cfg, sd)
+    cfg2, sd2 = checkpoint.load_model(tmp_path)
+    assert cfg2 == cfg
+    assert_same_tensors(sd, sd2)
+    lm_sd = checkpoint.language_state_dict(sd2)
+    assert sorted(lm_sd) == sorted(lm.state_dict())
+    lm2 = model.LanguageModel(cfg2)
+    checkpoint.load_into(lm2, lm_sd, str(tmp_path))
+    assert torch.equal(lm2.backbone.layers[1].mixer.experts.up_proj, lm.backbone.layers[1].mixer.experts.up_proj)
+
+
+def test_errors_name_file_and_tensor(tmp_path):
+    cfg, lm = build_lm()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        checkpoint.load_model(tmp_path / "nowhere")
+    checkpoint.save_model(tmp_path, cfg, lm.state_dict())
+    _, sd = checkpoint.load_model(tmp_path)
+    wider = model.LanguageModel(config.resolve("tiny", {"hidden_size": 96}))
+    with pytest.raises(ValueError, match=r"ckpt/x: tensor backbone\.embeddings\.weight has shape \[512, 64\]"):
+        checkpoint.load_into(wider, sd, "ckpt/x")
+    del sd["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight"):
+        checkpoint.load_into(lm, sd, "ckpt/x")
+
+
+# ---------------------------------------------------------------- HF export / import round trip
+
+@pytest.mark.parametrize("max_shard_bytes", [checkpoint.DEFAULT_SHARD_BYTES, 40_000])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
+    cfg, lm = build_lm(**VARIANTS[variant])
+    sd = lm.state_dict()
+    checkpoint.export_hf(cfg, sd, tmp_path, max_shard_bytes=max_shard_bytes)
+    files = sorted(os.listdir(tmp_path))
+    hf_keys = {}
+    if max_shard_bytes == checkpoint.DEFAULT_SHARD_BYTES:
+        assert files == ["config.json", "model.safetensors"]
+        hf_keys = load_file(tmp_path / "model.safetensors")
+    else:
+        shards = [f for f in files if f.startswith("model-")]
+        assert len(shards) > 2 and "model.safetensors" not in files
+        assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        for f in shards:
+            part = load_file(tmp_path / f)
+            assert all(index["weight_map"][k] == f for k in part)
+            hf_keys.update(part)
+        assert sorted(index["weight_map"]) == sorted(hf_keys)
+        assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in hf_keys.values())
+    # original HF names: one tensor per expert, [F, D] up / [D, F] down, fp32 expert bias
+    E, F_, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    moe_layer = cfg.hybrid_override_pattern.index("E")
+    stacked = lm.backbone.layers[moe_layer].mixer.experts
+    for j in range(E):
+        up = hf_keys[f"backbone.layers.{moe_layer}.mixer.experts.{j}.up_proj.weight"]
+        down = hf_keys[f"backbone.layers.{moe_layer}.mixer.experts.{j}.down_proj.weight"]
+        assert up.shape == (F_, D) and down.shape == (D, F_)
+        assert torch.equal(up, stacked.up_proj[j].detach()) and torch.equal(down, stacked.down_proj[j].detach())
+    bias = hf_keys[f"backbone.layers.{moe_layer}.mixer.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().max() > 0
+    assert not any(".experts.up_proj" in k or "tokens_per_expert" in k for k in hf_keys)
+    n_expert_keys = 2 * E * cfg.hybrid_override_pattern.count("E")
+    assert len(hf_keys) == len(sd) - 2 * cfg.hybrid_override_pattern.count("E") + n_expert_keys
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    assert hf_cfg["model_type"] == "nemotron_h" and hf_cfg["architectures"] == ["NemotronHForCausalLM"]
+    assert hf_cfg["num_hidden_layers"] == len(cfg.hybrid_override_pattern)
+    assert hf_cfg["initializer_range"] == cfg.init_std and hf_cfg["layer_norm_epsilon"] == cfg.norm_eps
+    assert hf_cfg["time_step_min"] == 0.001 and hf_cfg["torch_dtype"] == "float32"
+
+    cfg2, sd2 = checkpoint.import_hf(tmp_path)
+    assert_same_tensors(dict(sd), sd2)
+    for field in checkpoint.LANGUAGE_FIELDS:
+        assert getattr(cfg2, field) == getattr(cfg, field), field
+
+
+def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
+    cfg, lm = build_lm()
+    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path, dtype=torch.bfloat16)
+    t = load_file(tmp_path / "model.safetensors")
+    assert t["backbone.embeddings.weight"].dtype == torch.bfloat16
+    assert t["backbone.layers.1.mixer.gate.e_score_correction_bias"].dtype == torch.float32
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_import_strictness(tmp_path):
+    cfg, lm = build_lm()
+    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path)
+    path = tmp_path / "model.safetensors"
+    t = load_file(path)
+    t["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(2, 2)   # MTP head: ignored, like HF does
+    save_file(t, path)
+    checkpoint.import_hf(tmp_path)
+    t["backbone.layers.0.mixer.bogus"] = torch.zeros(2)
+    save_file(t, path)
+    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor backbone\.layers\.0\.mixer\.bogus"):
+        checkpoint.import_hf(tmp_path)
+    del t["backbone.layers.0.mixer.bogus"], t["backbone.layers.4.mixer.experts.5.down_proj.weight"]
+    save_file(t, path)
+    with pytest.raises(ValueError, match=r"backbone\.layers\.4\.mixer\.experts\.5\.down_proj\.weight missing"):
+        checkpoint.import_hf(tmp_path)
+    t["backbone.layers.4.mixer.experts.5.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(t, path)
+    with pytest.raises(ValueError, match=r"experts\.5\.down_proj\.weight has shape \[3, 3\], expected \[64, 32\]"):
+        checkpoint.import_hf(tmp_path)
+
+    hf = json.loads((tmp_path / "config.json").read_text())
+    for bad, match in [(dict(n_group=2), "n_group=2"), (dict(mamba_proj_bias=True), "mamba_proj_bias=True"),
+                       (dict(hybrid_override_pattern="MGM*EM-E"), "only M \\* E -"),
+                       (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
+                       (dict(tie_word_embeddings=True), "tie_word_embeddings")]:
+        with pytest.raises(ValueError, match=match):
+            checkpoint.config_from_hf({**hf, **bad})
+
+
+# ---------------------------------------------------------------- transformers parity
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
+    transformers = pytest.importorskip("transformers")
+    cfg, lm = build_lm(hf_ready=True, **VARIANTS[variant])
+    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path, max_shard_bytes=100_000)   # sharded: HF reads the index
+    hf, info = transformers.NemotronHForCausalLM.from_pretrained(
+        tmp_path, output_loading_info=True, dtype=torch.float32, attn_implementation=attn)
+    assert all(len(v) == 0 for v in info.values()), info
+    hf.eval()
+    ids = random_ids(cfg)
+    ours = our_logits(lm, ids)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert ours.shape == theirs.shape == (2, 37, cfg.vocab_size)
+    assert ours.std() > 0.05                                     # logits are not trivially small
+    assert (ours - theirs).abs().max() < 1e-5                    # measured ~2e-7 in fp32
+    # the expert bias moves the choice (so the match above proves it is exported and used the same way)
+    with torch.no_grad():
+        for layer in lm.backbone.layers:
+            if layer.kind == "E":
+                layer.mixer.gate.e_score_correction_bias.zero_()
+    assert (our_logits(lm, ids) - theirs).abs().max() > 1e-3
+
+
+def test_import_of_transformers_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=64, hybrid_override_pattern="M*EM-E", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+        conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, intermediate_size=40, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    hf = transformers.NemotronHForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if name.endswith("dt_bias"):
+                t.add_(3.0)                                      # see build_lm: avoid HF's dt clamp
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape) * 0.1)
+    hf.save_pretrained(tmp_path)
+    # transformers 5.x writes the original names back (backbone., per-expert tensors) and the layer list
+    # `layers_block_type` instead of `hybrid_override_pattern`
+    written = load_file(tmp_path / "model.safetensors")
+    assert "backbone.layers.2.mixer.experts.7.up_proj.weight" in written
+    assert "hybrid_override_pattern" not in json.loads((tmp_path / "config.json").read_text())
+
+    cfg, sd = checkpoint.import_hf(tmp_path)
+    assert cfg.hybrid_override_pattern == "M*EM-E" and cfg.moe_shared_expert_intermediate_size == 48
+    assert cfg.init_std == 0.02 and cfg.intermediate_size == 40
+    lm = model.LanguageModel(cfg)
+    checkpoint.load_into(lm, sd, str(tmp_path))
+    lm.eval()
+    ids = random_ids(cfg, seed=1)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    ours = our_logits(lm, ids)
+    assert ours.std() > 0.05
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_cli_export_then_import(tmp_path):
+    cfg, lm = build_lm()
+    sd = dict(lm.state_dict())
+    sd["vision.patch_embed.weight"] = torch.randn(4, 4)      # not part of the language export
+    checkpoint.save_model(tmp_path / "ckpt", cfg, sd)
+    run = lambda *a: subprocess.run([sys.executable, "checkpoint.py", *a], cwd=ROOT, check=True,
+                                    capture_output=True, text=True)
+    run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--max-shard-bytes", "50000")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
+    assert_same_tensors(dict(lm.state_dict()), sd2)
+    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in checkpoint.LANGUAGE_FIELDS)

@@ -57,7 +57,7 @@ class Config:
     vision_tp: int = 2
     vision_dp: int = 2
     lm_tp: int = 2
-    lm_dp: int = 1
+    lm_dp: int = 2
     lm_ep: int = 2
     lm_etp: int = 1
     reference_world: int = 8                 # the layout above applies when WORLD_SIZE equals this

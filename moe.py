@@ -137,7 +137,9 @@ class MoE(nn.Module):
             x_TD = comm.split_dim(x_TD, 0, self.tp_group)
             topk_w = comm.split_dim(topk_w, 0, self.tp_group)
             topk_idx = topk_idx.chunk(tp)[rank]
-        if self.training and torch.is_grad_enabled():  # bias-influenced choices, counted once per token
+        # Bias-influenced choices, counted once per token: not again when activation checkpointing recomputes
+        # this forward inside backward (graph task id != -1 only while autograd runs).
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.gate.tokens_per_expert += torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).float()
         y_TD = (self.deepep or self._alltoall_dispatch)(x_TD, topk_idx, topk_w, self.experts)
         y_TD = comm.all_gather_dim(y_TD, 0, self.tp_group)

@@ -1,0 +1,704 @@
+"""Rank layout, process groups, the encoder->language bridge and the gradient step (spec: shared/spec/parallel.md).
+
+The vision encoder and the language model each live on a grid of ranks. Hetero: vision on [0, V), language on
+[V, V+L). Colocated: both on every rank. Read top to bottom:
+
+  1. Layout   sizes, validation and choosing the run's layout; pure, runs before init_process_group (D2).
+  2. Grid     a rank tensor `arange(size).view(pp, dp, cp, tp) + offset`; every group is a slice of it (§2).
+  3. Setup    every group of every grid, created in one fixed order on every rank (§4.1).
+  4. Bridge   encoder rows -> language lanes, gradients back (§5).
+  5. Step     DP gradient reduction, global token count, global grad norm, clipping, step consensus (§7).
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+# ==================================================================================================================
+# 1. Layout
+# ==================================================================================================================
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of both grids. cp and pp are kept as dims of the language grid but must be 1 in this version."""
+    world: int
+    colocated: bool
+    vision_tp: int
+    vision_dp: int
+    lm_tp: int
+    lm_dp: int
+    lm_ep: int = 1
+    lm_etp: int = 1
+    micro_batch: int = 1            # samples per language lane per microbatch (mbs)
+    global_batch: int = 1           # samples per optimizer step
+    lm_cp: int = 1
+    lm_pp: int = 1
+
+    @property
+    def vision_size(self):
+        return self.vision_tp * self.vision_dp
+
+    @property
+    def lm_size(self):
+        return self.lm_tp * self.lm_cp * self.lm_dp * self.lm_pp
+
+    @property
+    def lm_offset(self):            # vision always starts at rank 0
+        return 0 if self.colocated else self.vision_size
+
+    @property
+    def lm_edp(self):               # expert data parallel: what is left of the language grid after etp x ep x pp
+        return self.lm_size // (self.lm_etp * self.lm_ep * self.lm_pp)
+
+    @property
+    def samples_per_microbatch(self):   # one global microbatch spans every language lane
+        return self.micro_batch * self.lm_dp
+
+    @property
+    def vision_micro_batch(self):       # samples one vision lane encodes per microbatch (mbs*k fan-out, mbs/k fan-in)
+        return self.samples_per_microbatch // self.vision_dp
+
+    @property
+    def num_microbatches(self):         # counted from language dp, identical on both grids (§6.2)
+        return self.global_batch // self.samples_per_microbatch
+
+    def describe(self):
+        vision = f"vision {self.vision_size} (tp{self.vision_tp} x dp{self.vision_dp})"
+        lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}; "
+              f"experts etp{self.lm_etp} x ep{self.lm_ep} x edp{self.lm_edp})")
+        if self.colocated:
+            return f"colocated layout on {self.world} ranks: {vision}, {lm}"
+        return f"hetero layout: {vision} on [0,{self.vision_size}) + {lm} on [{self.vision_size},{self.world})"
+
+
+def check_layout(lay, cfg):
+    """Every rule of spec D2 plus the model's divisibility needs. Raises one SystemExit listing all problems."""
+    vision = f"vision {lay.vision_size} (tp{lay.vision_tp} x dp{lay.vision_dp})"
+    lm = f"language {lay.lm_size} (tp{lay.lm_tp} x cp{lay.lm_cp} x dp{lay.lm_dp} x pp{lay.lm_pp})"
+    errors = []
+    if lay.colocated:
+        if lay.vision_size != lay.world or lay.lm_size != lay.world:
+            errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
+        if (lay.vision_tp, lay.vision_dp) != (lay.lm_tp, lay.lm_dp):
+            errors.append(f"colocated layout needs vision tp/dp == language tp/dp (vision tp{lay.vision_tp} dp"
+                          f"{lay.vision_dp}, language tp{lay.lm_tp} dp{lay.lm_dp}): moving encoder rows between "
+                          "different colocated shapes is not implemented; use a hetero layout")
+    elif lay.vision_size + lay.lm_size != lay.world:
+        errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
+    sizes = {k: getattr(lay, k) for k in ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp",
+                                          "micro_batch", "global_batch", "lm_cp", "lm_pp")}
+    bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
+    if bad:  # the checks below divide by these
+        raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
+                         + "".join(f"; {e}" for e in errors))
+    if lay.lm_cp != 1 or lay.lm_pp != 1:
+        errors.append(f"language cp{lay.lm_cp} pp{lay.lm_pp}: this version supports cp = pp = 1 only")
+    # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
+    for name in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "vocab_size",
+                 "intermediate_size", "moe_shared_expert_intermediate_size"):
+        if getattr(cfg, name) % lay.lm_tp:
+            errors.append(f"lm_tp {lay.lm_tp} does not divide {name} {getattr(cfg, name)}")
+    for name in ("vit_heads", "vit_mlp"):
+        if getattr(cfg, name) % lay.vision_tp:
+            errors.append(f"vision_tp {lay.vision_tp} does not divide {name} {getattr(cfg, name)}")
+    etp_ep_pp = lay.lm_etp * lay.lm_ep * lay.lm_pp
+    if lay.lm_size % etp_ep_pp:
+        errors.append(f"{lm} is not divisible by etp{lay.lm_etp} x ep{lay.lm_ep} x pp{lay.lm_pp} = {etp_ep_pp}, "
+                      "so the expert data-parallel size is not whole")
+    if cfg.n_routed_experts % lay.lm_ep:
+        errors.append(f"lm_ep {lay.lm_ep} does not divide n_routed_experts {cfg.n_routed_experts}")
+    if cfg.moe_intermediate_size % lay.lm_etp:
+        errors.append(f"lm_etp {lay.lm_etp} does not divide moe_intermediate_size {cfg.moe_intermediate_size}")
+    vdp, ldp = lay.vision_dp, lay.lm_dp
+    if max(vdp, ldp) % min(vdp, ldp):
+        errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
+    if lay.samples_per_microbatch % vdp:
+        errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {lay.samples_per_microbatch} samples "
+                      f"per microbatch do not split evenly over vision dp {vdp}")
+    if lay.global_batch % lay.samples_per_microbatch:
+        errors.append(f"global_batch {lay.global_batch} is not divisible by micro_batch {lay.micro_batch} x "
+                      f"language dp {ldp} = {lay.samples_per_microbatch}")
+    if errors:
+        raise SystemExit("bad parallel layout: " + "; ".join(errors))
+    return lay
+
+
+def plan_layout(cfg, world, micro_batch, global_batch, *, vision_tp=None, vision_dp=None, lm_tp=None, lm_dp=None,
+                lm_ep=None, lm_etp=None, colocated=None):
+    """The run's layout from argparse values (None = flag not given); checked before any collective.
+
+    - No grid flag: the preset's reference layout (cfg.vision_tp ...) when world == cfg.reference_world (hetero when
+      its vision sizes are > 0, else colocated with the language sizes), otherwise colocated data parallel over all
+      ranks (tp = ep = etp = 1, dp = world).
+    - Any grid flag replaces the reference entirely: missing tp / ep / etp are 1 (colocated vision tp follows lm_tp),
+      a missing dp is derived: colocated dp = world / tp; hetero takes the ranks the other grid leaves.
+    - `colocated` defaults to: the reference's kind at the reference world, else hetero iff a vision flag is given.
+    """
+    flags = dict(vision_tp=vision_tp, vision_dp=vision_dp, lm_tp=lm_tp, lm_dp=lm_dp, lm_ep=lm_ep, lm_etp=lm_etp)
+    given = {k: v for k, v in flags.items() if v is not None}
+    ref_hetero = cfg.vision_tp > 0 and cfg.vision_dp > 0
+    at_reference = world == cfg.reference_world and not given
+    if colocated is None:
+        colocated = (not ref_hetero) if at_reference else (vision_tp is None and vision_dp is None)
+    if at_reference and colocated == (not ref_hetero):
+        v = (cfg.vision_tp, cfg.vision_dp) if ref_hetero else (cfg.lm_tp, cfg.lm_dp)
+        s = dict(vision_tp=v[0], vision_dp=v[1], lm_tp=cfg.lm_tp, lm_dp=cfg.lm_dp, lm_ep=cfg.lm_ep,
+                 lm_etp=cfg.lm_etp)
+    else:
+        s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1)
+        s.update(given)
+        if colocated:
+            s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
+            s["lm_dp"] = s["lm_dp"] or world // s["lm_tp"]
+            s["vision_dp"] = s["vision_dp"] or world // s["vision_tp"]
+        elif s["vision_dp"] is None and s["lm_dp"] is None:
+            raise SystemExit("bad parallel layout: a hetero layout needs --vision_dp or --lm_dp (the other is "
+                             "derived from WORLD_SIZE)")
+        elif s["vision_dp"] is None:
+            s["vision_dp"] = (world - s["lm_tp"] * s["lm_dp"]) // s["vision_tp"]
+        elif s["lm_dp"] is None:
+            s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // s["lm_tp"]
+    lay = Layout(world=world, colocated=bool(colocated), micro_batch=micro_batch, global_batch=global_batch, **s)
+    return check_layout(lay, cfg)
+
+
+# ==================================================================================================================
+# 2. Grid
+# ==================================================================================================================
+
+class Grid:
+    """Ranks [offset, offset+size) as a tensor. `dims` maps names to sizes, FASTEST first (tp, cp, dp, pp).
+
+    Megatron's HyperCommGrid rank algebra: rank = offset + tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i)). The expert view is
+    a second Grid over the same ranks with dims (etp, ep, edp, pp).
+    """
+
+    def __init__(self, dims, offset=0):
+        self.names = list(dims)
+        self.shape = [dims[n] for n in self.names]
+        self.size = math.prod(self.shape)
+        self.offset = offset
+        # tensor axes are slowest first, so names[0] ends up with stride 1
+        self.ranks = torch.arange(self.size).view(*reversed(self.shape)) + offset
+
+    def _axis(self, name):
+        if name not in self.names:
+            raise ValueError(f"{name!r} is not a dim of grid {self.names}")
+        return len(self.names) - 1 - self.names.index(name)
+
+    def groups(self, dims):
+        """Rank lists of the groups spanning `dims` ("tp-dp" or a list), in canonical order (§2.1).
+
+        Requested axes go last (slowest first), the others first; each row of the reshape is one group. So inside a
+        group the dim earliest in `names` varies fastest, and groups follow the other dims, latest name outermost.
+        The order in which `dims` is written does not matter.
+        """
+        dims = dims.split("-") if isinstance(dims, str) else list(dims)
+        keep = sorted({self._axis(d) for d in dims})
+        rest = [a for a in range(len(self.names)) if a not in keep]
+        group_size = math.prod(self.ranks.shape[a] for a in keep)
+        return self.ranks.permute(rest + keep).reshape(-1, group_size).tolist()
+
+    def __contains__(self, rank):
+        return self.offset <= rank < self.offset + self.size
+
+    def coords(self, rank):
+        """{dim: index} of a rank of this grid."""
+        assert rank in self, f"rank {rank} is not in grid [{self.offset}, {self.offset + self.size})"
+        i, out = rank - self.offset, {}
+        for name, n in zip(self.names, self.shape):
+            out[name], i = i % n, i // n
+        return out
+
+    def group_of(self, dims, rank):
+        return next(g for g in self.groups(dims) if rank in g)
+
+
+def vision_grid(lay):
+    return Grid({"tp": lay.vision_tp, "cp": 1, "dp": lay.vision_dp, "pp": 1}, offset=0)
+
+
+def lm_grid(lay):
+    return Grid({"tp": lay.lm_tp, "cp": lay.lm_cp, "dp": lay.lm_dp, "pp": lay.lm_pp}, offset=lay.lm_offset)
+
+
+def expert_grid(lay):
+    return Grid({"etp": lay.lm_etp, "ep": lay.lm_ep, "edp": lay.lm_edp, "pp": lay.lm_pp}, offset=lay.lm_offset)
+
+
+def lanes(grid):
+    """One rank list per data lane (dp coordinate), in lane order: all tp/cp/pp ranks that see the same samples."""
+    return grid.groups([d for d in grid.names if d != "dp"])
+
+
+# ==================================================================================================================
+# 3. Setup
+# ==================================================================================================================
+
+@dataclass
+class ModuleGroups:
+    """One module's groups and coordinates as seen from this rank. A group is None where it does not apply."""
+    name: str                                   # "vision" or "lm"
+    tp: object = None
+    cp: object = None
+    dp: object = None
+    pp: object = None
+    dp_cp: object = None                        # dense gradient reduction domain
+    tp_cp: object = None
+    tp_pp: object = None                        # Megatron's "mp"
+    tp_dp: object = None
+    tp_dp_cp: object = None                     # MoE expert-bias token counts
+    whole: object = None                        # the whole module grid
+    ep: object = None                           # expert view (language only)
+    etp: object = None
+    edp: object = None                          # expert gradient reduction domain
+    etp_ep: object = None                       # token dispatcher domain
+    etp_ep_pp: object = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    edp_rank: int = 0
+    edp_size: int = 1
+
+    def identity(self):
+        s = f"{self.name} tp{self.tp_rank}/{self.tp_size} dp{self.dp_rank}/{self.dp_size}"
+        if self.name == "lm":
+            s += (f" ep{self.ep_rank}/{self.ep_size} etp{self.etp_rank}/{self.etp_size}"
+                  f" edp{self.edp_rank}/{self.edp_size}")
+        return s
+
+
+@dataclass
+class Parallel:
+    """What setup() hands back to every rank: its roles, its groups per module, the bridge group."""
+    rank: int
+    layout: Layout
+    vision: ModuleGroups = None                 # None on language-only ranks
+    lm: ModuleGroups = None                     # None on vision-only ranks
+    bridge: object = None                       # leaders of both sides (hetero); None elsewhere
+    created: list = field(default_factory=list)  # (label, rank lists) in creation order, identical on all ranks
+
+    @property
+    def in_vision(self):
+        return self.vision is not None
+
+    @property
+    def in_lm(self):
+        return self.lm is not None
+
+    def __str__(self):
+        parts = [m.identity() for m in (self.vision, self.lm) if m is not None]
+        return " | ".join(parts) + f" rank{self.rank}"
+
+
+VISION_GROUPS = ["tp", "dp", "tp-dp"]
+LM_GROUPS = ["tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-dp-cp", "tp-cp-dp-pp"]
+EXPERT_GROUPS = ["ep", "etp", "edp", "etp-ep", "etp-ep-pp"]
+FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp", "tp-dp-cp": "tp_dp_cp",
+         "tp-cp-dp-pp": "whole", "etp-ep": "etp_ep", "etp-ep-pp": "etp_ep_pp"}
+
+
+def setup(lay, cfg=None):
+    """Build both grids and create every group of every grid on EVERY rank (new_group is collective over WORLD).
+
+    Call after init_process_group. Creation order is fixed (§4.1): vision tp, dp, tp-dp; language tp, cp, dp, pp,
+    dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp, etp-ep, etp-ep-pp (pp is the base group);
+    the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank lists share one
+    group object (colocated grids, size-1 dims): every rank computes the same lists, so the sequence of new_group
+    calls is still identical everywhere.
+    """
+    if cfg is not None:
+        check_layout(lay, cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == lay.world, f"layout is for {lay.world} ranks, WORLD_SIZE is {world}"
+    vgrid, lgrid, egrid = vision_grid(lay), lm_grid(lay), expert_grid(lay)
+    # both views share pp with the same stride; checked, then the base pp group is reused
+    assert egrid.groups("pp") == lgrid.groups("pp"), "expert view must share the pp groups"
+    par = Parallel(rank=rank, layout=lay)
+    made = {}
+
+    def create(label, rank_lists):
+        par.created.append((label, rank_lists))
+        mine = None
+        for ranks in rank_lists:
+            if tuple(ranks) not in made:
+                made[tuple(ranks)] = dist.new_group(ranks)
+            if rank in ranks:
+                mine = made[tuple(ranks)]
+        return mine
+
+    def fill(m, label, grid, dims_list):
+        for dims in dims_list:
+            g = create(f"{label} {dims}", grid.groups(dims))
+            if m is not None:
+                setattr(m, FIELD.get(dims, dims), g)
+        if m is not None:
+            for d, i in grid.coords(rank).items():
+                setattr(m, f"{d}_rank", i)
+                setattr(m, f"{d}_size", grid.shape[grid.names.index(d)])
+
+    par.vision = ModuleGroups("vision") if rank in vgrid else None
+    par.lm = ModuleGroups("lm") if rank in lgrid else None
+    fill(par.vision, "vision", vgrid, VISION_GROUPS)
+    if par.vision is not None:          # cp = pp = 1: tp-dp is the whole grid, dp-cp = dp, tp-cp = tp-pp = tp
+        v = par.vision
+        v.whole, v.dp_cp, v.tp_cp, v.tp_pp = v.tp_dp, v.dp, v.tp, v.tp
+    fill(par.lm, "lm", lgrid, LM_GROUPS)
+    fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates; pp agrees with the base view
+    if not lay.colocated:
+        # the lane broadcast groups of §5.2 are the grids' tp groups here (cp = pp = 1), already created above
+        leaders = sorted({lane[-1] for lane in lanes(vgrid)} | {lane[0] for lane in lanes(lgrid)})
+        par.bridge = create("bridge", [leaders])
+    return par
+
+
+def print_ranks(par):
+    """Rank 0 prints the layout and one identity line per rank, in rank order (collective over WORLD)."""
+    lines = [None] * par.layout.world
+    dist.all_gather_object(lines, str(par))
+    if par.rank == 0:
+        print(par.layout.describe(), *lines, sep="\n  ", flush=True)
+
+
+# ==================================================================================================================
+# 4. Bridge
+# ==================================================================================================================
+# A global microbatch holds mbs * lm_dp samples. Language lane j owns [j*mbs, (j+1)*mbs); vision lane e owns the
+# contiguous share [e*s, (e+1)*s), s = mbs*lm_dp/vision_dp. A link joins every (vision lane, language lane) pair
+# whose shares overlap and carries exactly the overlap: fan-out (vision lane e feeds language lanes [e*k,(e+1)*k)),
+# fan-in (language lane j gets vision lanes [j*k,(j+1)*k) in lane order) and 1:1 all fall out of that one rule.
+#
+# Encoder rows are [rows, D] with a variable row count per sample (dynamic resolution; 0 for text-only samples).
+# The encoder lane leader (its LAST tp rank) sends each link a header int64[microbatch, dtype, rows, D, rows of each
+# sample] and then the payload, point to point over the bridge group. The language lane leader (tp rank 0) receives
+# its links in lane order, concatenates, and broadcasts header and payload in its lane's tp group. Backward runs the
+# same links in reverse: the language leader sends each link its slice of the gradient, the encoder leader
+# concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
+# Backward needs no header: both leaders recorded the per-link row counts in forward.
+#
+# API, one microbatch at a time, strictly alternating (serial schedule D4):
+#   encoder ranks:  rows = encoder(images)                 # [R, D]: this vision lane's samples, in sample order
+#                   bridge.send(rows, rows_per_sample)      # leader sends; every tp rank keeps rows for backward
+#                   ...                                     # (the language side runs forward + backward)
+#                   bridge.backward_encoder()               # receives the gradient, runs rows.backward(grad)
+#   language ranks: x, rows_per_sample = bridge.recv()      # [R_lane, D] leaf with requires_grad, same on all tp
+#                   loss = lm(x, ...); loss.backward()
+#                   bridge.send_grad()                      # leader sends x.grad (zeros when None) back
+# Colocated: send keeps rows, recv returns that very tensor (autograd flows straight into the encoder), send_grad
+# and backward_encoder do nothing. Text-only microbatches still send one header and one 0-row payload per link.
+
+@dataclass(frozen=True)
+class Link:
+    src_lane: int
+    dst_lane: int
+    src_leader: int                  # global rank: the vision lane's last tp rank
+    dst_leader: int                  # global rank: the language lane's tp rank 0
+    samples: range                   # sample indices within the global microbatch
+
+
+def lane_samples(lay, side, lane):
+    """Sample indices of the global microbatch owned by data lane `lane` of `side` ("vision" or "lm")."""
+    n = lay.micro_batch if side == "lm" else lay.vision_micro_batch
+    return range(lane * n, (lane + 1) * n)
+
+
+def rank_samples(lay, rank):
+    """{"vision": range | None, "lm": range | None}: the samples `rank` handles on each side of the bridge."""
+    out = {"vision": None, "lm": None}
+    for side, grid in (("vision", vision_grid(lay)), ("lm", lm_grid(lay))):
+        if rank in grid:
+            out[side] = lane_samples(lay, side, grid.coords(rank)["dp"])
+    return out
+
+
+def bridge_links(lay):
+    """The comm map (§5.3): every link, ordered by language lane then vision lane (= by vision lane, then language)."""
+    src, dst = lanes(vision_grid(lay)), lanes(lm_grid(lay))
+    links = []
+    for j, dst_ranks in enumerate(dst):
+        for e, src_ranks in enumerate(src):
+            a, b = lane_samples(lay, "vision", e), lane_samples(lay, "lm", j)
+            lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+            if lo < hi:
+                links.append(Link(e, j, src_ranks[-1], dst_ranks[0], range(lo, hi)))
+    return links
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)   # header code = index
+TAG_HEADER, TAG_PAYLOAD, TAG_GRAD = 101, 102, 103                       # distinct tags: payloads never cross
+
+
+class Bridge:
+    """One per rank (any role); the API is in the comment above. `device`: where received tensors live (the
+    local cuda device under NCCL)."""
+
+    def __init__(self, par, device="cpu"):
+        self.par, self.lay, self.device = par, par.layout, torch.device(device)
+        links = [] if self.lay.colocated else bridge_links(self.lay)
+        self.out_links = [ln for ln in links if ln.src_leader == par.rank]   # non-empty on encoder leaders only
+        self.in_links = [ln for ln in links if ln.dst_leader == par.rank]    # non-empty on language leaders only
+        if par.vision is not None:
+            self.vision_leader = lanes(vision_grid(self.lay))[par.vision.dp_rank][-1]
+            self.vision_first = lane_samples(self.lay, "vision", par.vision.dp_rank).start
+        if par.lm is not None:
+            self.lm_leader = lanes(lm_grid(self.lay))[par.lm.dp_rank][0]
+        self.sent = self.received = 0          # microbatch counters; the index travels in the header as a check
+        self._rows = self._x = self._pass = None
+        self._splits = None                    # rows per link of the pending microbatch (for backward)
+
+    # ---- encoder side ----------------------------------------------------------------------------------------
+    def send(self, rows, rows_per_sample):
+        """Hand this vision lane's rows [R, D] (samples in order, `rows_per_sample` rows each) to the language side."""
+        counts = [int(c) for c in rows_per_sample]
+        assert rows.dim() == 2 and len(counts) == self.lay.vision_micro_batch and sum(counts) == rows.shape[0], \
+            f"rows {tuple(rows.shape)} do not match rows_per_sample {counts}"
+        assert self._rows is None, "bridge.send twice without backward_encoder"
+        self._rows = rows
+        if self.lay.colocated:
+            self._pass = (rows, counts)
+            self.sent += 1
+            return
+        first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
+        link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
+        self._splits = [sum(c) for c in link_counts]
+        chunks = rows.detach().split(self._splits) if self.out_links else []
+        reqs = []
+        for ln, c, chunk in zip(self.out_links, link_counts, chunks):
+            header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
+                                  dtype=torch.int64, device=rows.device)
+            reqs.append(dist.isend(header, ln.dst_leader, group=self.par.bridge, tag=TAG_HEADER))
+            reqs.append(dist.isend(chunk.contiguous(), ln.dst_leader, group=self.par.bridge, tag=TAG_PAYLOAD))
+        for r in reqs:
+            r.wait()
+        self.sent += 1
+
+    def backward_encoder(self):
+        """Receive d(loss)/d(rows), share it in the lane's tp group, run rows.backward(grad). Returns the gradient
+        (None when colocated: the language loss.backward() already reached the encoder)."""
+        rows, self._rows = self._rows, None
+        assert rows is not None, "backward_encoder without send"
+        if self.lay.colocated:
+            return None
+        if self.out_links:                     # leader: one slice per link, concatenated in link (= sample) order
+            parts = [rows.new_empty(n, rows.shape[1]) for n in self._splits]
+            reqs = [dist.irecv(p, ln.dst_leader, group=self.par.bridge, tag=TAG_GRAD)
+                    for ln, p in zip(self.out_links, parts)]
+            for r in reqs:
+                r.wait()
+            grad = torch.cat(parts)
+        else:
+            grad = rows.new_empty(rows.shape)
+        if dist.get_world_size(self.par.vision.tp) > 1:
+            dist.broadcast(grad, src=self.vision_leader, group=self.par.vision.tp)
+        if rows.requires_grad:
+            rows.backward(grad)
+        return grad
+
+    # ---- language side ---------------------------------------------------------------------------------------
+    def recv(self):
+        """This language lane's rows [R_lane, D] (a leaf requiring grad, identical on every tp rank) and the row
+        count of each of its micro_batch samples."""
+        assert self._x is None, "bridge.recv twice without send_grad"
+        if self.lay.colocated:
+            (rows, counts), self._pass = self._pass, None
+            self.received += 1
+            return rows, counts
+        if self.in_links:                      # leader: all headers, then all payloads, links in lane order
+            headers = [torch.empty(4 + len(ln.samples), dtype=torch.int64, device=self.device) for ln in self.in_links]
+            reqs = [dist.irecv(h, ln.src_leader, group=self.par.bridge, tag=TAG_HEADER)
+                    for ln, h in zip(self.in_links, headers)]
+            for r in reqs:
+                r.wait()
+            heads = [h.tolist() for h in headers]
+            assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
+            code, hidden = heads[0][1], heads[0][3]
+            parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
+            reqs = [dist.irecv(p, ln.src_leader, group=self.par.bridge, tag=TAG_PAYLOAD)
+                    for ln, p in zip(self.in_links, parts)]
+            for r in reqs:
+                r.wait()
+            x = torch.cat(parts)
+            self._splits = [h[2] for h in heads]
+            header = torch.tensor([self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]],
+                                  dtype=torch.int64, device=self.device)
+        else:
+            header = torch.empty(4 + self.lay.micro_batch, dtype=torch.int64, device=self.device)
+        tp = self.par.lm.tp
+        if dist.get_world_size(tp) > 1:        # the leader shares header and payload with its tp partners
+            dist.broadcast(header, src=self.lm_leader, group=tp)
+            if not self.in_links:
+                _, code, n, hidden = header[:4].tolist()
+                x = torch.empty(n, hidden, dtype=DTYPES[code], device=self.device)
+            dist.broadcast(x, src=self.lm_leader, group=tp)
+        self.received += 1
+        self._x = x.requires_grad_(True)
+        return self._x, header[4:].tolist()
+
+    def send_grad(self):
+        """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none)."""
+        x, self._x = self._x, None
+        if self.lay.colocated:
+            return
+        assert x is not None, "send_grad without recv"
+        if self.in_links:
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            reqs = [dist.isend(g.contiguous(), ln.src_leader, group=self.par.bridge, tag=TAG_GRAD)
+                    for ln, g in zip(self.in_links, grad.detach().split(self._splits))]
+            for r in reqs:
+                r.wait()
+
+
+# ==================================================================================================================
+# 5. Gradients and the step
+# ==================================================================================================================
+# Why not DDP: gradients accumulate over all microbatches and are reduced once, explicitly, after the last one
+# (text-only encoder ranks would never fire DDP's grad-ready hooks, §5.7); dense and expert parameters of one module
+# reduce over different groups; and the two modules sit on different grids. A flat bucketed all-reduce is all we need.
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def shard_kinds(p):
+    """{"tp", "ep", "etp"} subset from comm.mark_shard; empty for parameters replicated within the module's tp."""
+    return {s[0] for s in getattr(p, "shards", ())}
+
+
+def is_expert(p):
+    return "ep" in shard_kinds(p)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def allreduce_grads(params, group, bucket_bytes=BUCKET_BYTES):
+    """SUM all-reduce the gradients of `params` over `group` in fp32 buckets of about `bucket_bytes`.
+
+    Every rank of the group must pass the same parameters in the same order; a missing .grad becomes zeros so that
+    all ranks post identical buckets (an expert no token reached still takes part).
+    """
+    params = [p for p in params if p.requires_grad]
+    if group is None or dist.get_world_size(group) == 1 or not params:
+        return
+    bucket, size = [], 0
+    for i, p in enumerate(params):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        bucket.append(p)
+        size += p.numel() * 4
+        if size >= bucket_bytes or i == len(params) - 1:
+            flat = torch.cat([q.grad.reshape(-1).float() for q in bucket])
+            dist.all_reduce(flat, group=group)
+            for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(g.view_as(q.grad))
+            bucket, size = [], 0
+
+
+def reduce_gradients(par, vision_params=(), lm_params=(), bucket_bytes=BUCKET_BYTES):
+    """Each module SUMs over its own data-parallel groups: vision over vision dp, language dense parameters over
+    dp-cp, language expert parameters over edp (§7.1). Pass the parameters of the modules this rank holds."""
+    if par.vision is not None:
+        allreduce_grads(vision_params, par.vision.dp_cp, bucket_bytes)
+    if par.lm is not None:
+        lm_params = list(lm_params)
+        allreduce_grads([p for p in lm_params if not is_expert(p)], par.lm.dp_cp, bucket_bytes)
+        allreduce_grads([p for p in lm_params if is_expert(p)], par.lm.edp, bucket_bytes)
+
+
+def global_token_count(par, local_tokens):
+    """N_global: loss-mask tokens over all language lanes and microbatches of the step, known on every rank.
+
+    `local_tokens` is this language lane's count over its microbatches (anything on vision-only ranks). Each lane
+    counts once: only its tp-0 / cp-0 / last-pp rank contributes, all others add 0, and one SUM over WORLD makes
+    the total known on both grids (colocated too). This single all-reduce replaces "sum over lm dp, then
+    broadcast to WORLD".
+    """
+    m = par.lm
+    lead = m is not None and m.tp_rank == 0 and m.cp_rank == 0 and m.pp_rank == m.pp_size - 1
+    t = torch.tensor([int(local_tokens) if lead else 0], dtype=torch.int64, device=_device())
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def scale_gradients(params, factor):
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+def _unique_here(p, m):
+    """Whether this rank holds the copy of p's gradient that the global norm counts (each element exactly once).
+
+    After the DP reduction every dp replica is identical, so only dp (and cp) rank 0 counts. tp-sharded parameters
+    count on every tp rank, replicated ones on tp rank 0. Expert parameters count on edp rank 0, on every ep rank,
+    and on etp rank 0 unless they are also etp-sharded.
+    """
+    kinds = shard_kinds(p)
+    if "ep" in kinds:
+        return m.edp_rank == 0 and ("etp" in kinds or m.etp_rank == 0)
+    return m.dp_rank == 0 and m.cp_rank == 0 and ("tp" in kinds or m.tp_rank == 0)
+
+
+def global_grad_norm(par, vision_params=(), lm_params=()):
+    """sqrt(sum over modules of norm_m^2), identical on every rank (one SUM all-reduce over WORLD, all ranks call).
+
+    The same all-reduce carries a second number, the sum of squares of EVERY local gradient: if any rank holds an
+    inf/nan, even in a copy the norm does not count, the result is nan on every rank, so all ranks skip together.
+    """
+    counted, seen = [], []
+    for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
+        if m is None:
+            continue
+        for p in params:
+            if p.grad is not None:
+                sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
+                seen.append(sq)
+                if _unique_here(p, m):
+                    counted.append(sq)
+    local = torch.zeros(2, dtype=torch.float64, device=_device())
+    if seen:
+        local[0] = torch.stack(counted).sum() if counted else 0.0
+        local[1] = torch.stack(seen).sum()
+    dist.all_reduce(local)
+    total, check = local.tolist()
+    return math.sqrt(total) if math.isfinite(total) and math.isfinite(check) else float("nan")
+
+
+def clip_gradients(params, total_norm, max_norm):
+    """Scale by min(1, max_norm / (norm + 1e-6)); every module uses the same global total."""
+    coef = min(1.0, max_norm / (total_norm + 1e-6))
+    if coef < 1.0:
+        scale_gradients(params, coef)
+    return coef
+
+
+def finalize_gradients(par, vision_params, lm_params, n_global, max_norm, bucket_bytes=BUCKET_BYTES):
+    """The whole post-backward sequence, same WORLD collectives in the same order on every rank (§7.3):
+    DP-reduce each module, divide by N_global (from global_token_count at the start of the step), global norm,
+    then clip or skip. Returns (norm, ok).
+
+    ok is False on EVERY rank when any rank saw inf/nan: grads are then dropped and the caller skips the step.
+    """
+    vision_params = list(vision_params) if par.vision is not None else []
+    lm_params = list(lm_params) if par.lm is not None else []
+    reduce_gradients(par, vision_params, lm_params, bucket_bytes)
+    scale_gradients(vision_params + lm_params, 1.0 / max(n_global, 1))
+    norm = global_grad_norm(par, vision_params, lm_params)
+    ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
+    if ok:
+        clip_gradients(vision_params + lm_params, norm, max_norm)
+    else:
+        for p in vision_params + lm_params:
+            p.grad = None
+    return norm, ok

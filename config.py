@@ -53,6 +53,7 @@ class Config:
     seq_len: int = 8192
     mock_image_size: int = 2048              # mock samples carry one square image of this many pixels
     mock_text_only_frac: float = 0.0
+    mock_num_samples: int = 0                # > 0: the mock set has this many samples and repeats (tests)
     # ---- reference layout (hetero when vision sizes > 0) ----
     vision_tp: int = 2
     vision_dp: int = 2

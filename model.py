@@ -9,6 +9,7 @@ experts are stacked into experts.up_proj [E, F, D] / experts.down_proj [E, D, F]
 Every module takes its process groups (None = single device); local shapes are the full shapes / group size.
 """
 import math
+import re
 import zlib
 
 import torch
@@ -176,6 +177,28 @@ def place_images(h_BLD, input_ids, image_rows, rows_per_sample, image_token_id):
     return h_BLD.masked_scatter(is_image[..., None], image_rows.to(h_BLD.dtype))
 
 
+def set_trainable(modules, stage=2, regex=None):
+    """Freeze by training stage, or by a regex over prefixed names ("vision.…", "language.…"; overrides stage).
+
+    Stage 1: only the projector (vision.mlp1) trains. Stage 2: the vision tower is frozen, projector and language
+    model train. Stage 3: everything trains. Frozen parameters get no gradient and no optimizer state.
+    """
+    for prefix, module in modules.items():
+        for name, p in module.named_parameters():
+            full = f"{prefix}.{name}"
+            if regex is not None:
+                train = re.search(regex, full) is not None
+            elif stage == 1:
+                train = full.startswith("vision.mlp1.")
+            elif stage == 2:
+                train = not full.startswith("vision.") or full.startswith("vision.mlp1.")
+            elif stage == 3:
+                train = True
+            else:
+                raise ValueError(f"--stage must be 1, 2 or 3, got {stage}")
+            p.requires_grad_(train)
+
+
 # ---------------------------------------------------------------- initialisation (independent of the layout)
 
 def init_weights(model, seed, coords, cfg, extra_rule=None):
@@ -232,3 +255,35 @@ def count_language_params(cfg):
     per_expert = 2 * cfg.hidden_size * cfg.moe_intermediate_size
     idle = cfg.hybrid_override_pattern.count("E") * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
     return total, total - idle
+
+
+# ---------------------------------------------------------------- FLOPs (for throughput and MFU)
+
+def lm_flops_per_token(cfg, seq_len):
+    """Training FLOPs (fwd + bwd = 3 x fwd) per token of the language model.
+
+    matmuls: 6 * active matmul parameters (all active parameters except the embedding lookup);
+    attention: causal scores + values, 2 * 2 * (seq/2) * heads * head_dim per layer, x3;
+    SSD (chunk Q, state N, head dim P): per head, intra-chunk scores and values 2 * (Q/2) * (N + P) and state
+    in/out 2 * 2 * N * P, x3.
+    """
+    _, active = count_language_params(cfg)
+    matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size)
+    n_attn, n_mamba = cfg.hybrid_override_pattern.count("*"), cfg.hybrid_override_pattern.count("M")
+    attn = 3 * n_attn * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
+    Q, N, P = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
+    ssd = 3 * n_mamba * cfg.mamba_num_heads * (Q * (N + P) + 4 * N * P)
+    return matmul + attn + ssd
+
+
+def vision_flops(cfg, grids, tower_trains):
+    """FLOPs of one vision forward (+ backward where needed) over images with patch grids `grids`.
+    A frozen tower runs forward only (x1), the projector always trains (x3)."""
+    C, M, K = cfg.vit_hidden, cfg.vit_mlp, cfg.class_token_len
+    block_params = 4 * C * C + 2 * C * M
+    tower = proj = 0
+    for h, w in grids:
+        S = h * w + K
+        tower += 2 * S * (block_params * cfg.vit_depth + 3 * cfg.vit_patch ** 2 * C) + 4 * S * S * C * cfg.vit_depth
+        proj += 2 * (h * w // 4) * (4 * C * cfg.projector_hidden + cfg.projector_hidden * cfg.hidden_size)
+    return tower * (3 if tower_trains else 1) + 3 * proj

@@ -257,13 +257,15 @@ def update_expert_bias(model, rate, group=None):
     """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), then reset counts.
 
     Counts are summed over the language tp x dp group first (each rank counted distinct tokens).
+    Returns the summed counts [MoE layers, E] (for logging), or None without MoE layers.
     """
     routers = [m for m in model.modules() if isinstance(m, Router)]
     if not routers:
-        return
+        return None
     counts = torch.stack([r.tokens_per_expert for r in routers])
     if comm.group_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for r, n in zip(routers, counts):
         r.e_score_correction_bias += rate * torch.sign(n.mean() - n)
         r.tokens_per_expert.zero_()
+    return counts

@@ -163,6 +163,8 @@ class VisionModel(nn.Module):
     def reset_parameters(self):
         """Draw every parameter at its FULL shape in a fixed order and keep this rank's shard, so a TP model
         seeded like a single-device one holds exactly comm.shard() of its weights."""
+        if self.pos_embed.is_meta:                                   # sizing only (dry run): nothing to draw
+            return
         T, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         C = self.cfg.vit_hidden
         for name, prm in self.named_parameters():

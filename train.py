@@ -1,0 +1,378 @@
+"""Train the VLM:  torchrun --nproc_per_node=N train.py --preset P [--FIELD VALUE ...]   (plain python = 1 process)
+
+One step (parallel.md §6-7), every rank running the lines of the module(s) it holds:
+  N_global = loss tokens of the whole step (one all-reduce)      -> per-token loss for both modules
+  for each micro-batch:  vision: encode its samples, bridge.send  |  language: bridge.recv, place image rows,
+                         forward, backward(sum of token losses)   |  bridge.send_grad;  vision: backward
+  reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all ranks agree)
+  AdamW step, expert-bias update, LR schedule (only after a successful step)
+
+Seeds: --seed drives everything. Samples: seed + sample index (layout-independent). Vision init: seed + 10000 on
+the global RNG; language init: seed + 20000 hashed with each parameter name (layout-independent, see model.py);
+runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by the tp ranks of a lane.
+"""
+import argparse
+import json
+import math
+import os
+import signal
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import config
+import data
+import model
+import moe
+import parallel
+from radio import VisionModel
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field can be overridden "
+                                "with --FIELD VALUE (see config.py), e.g. --seq-len 128 --hidden-size 256.")
+    p.add_argument("--preset", default="tiny", choices=sorted(config.PRESETS))
+    p.add_argument("--steps", type=int, default=20, help="total optimizer steps of the run (resumed runs too)")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=1, help="samples per language lane per micro-batch")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--min-lr", type=float, default=2e-6)
+    p.add_argument("--lr-schedule", choices=["cosine", "wsd", "constant"], default="cosine")
+    p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--lr-decay-iters", type=int, default=None, help="default: --steps")
+    p.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD decay tail; default 10%% of decay")
+    p.add_argument("--lr-wsd-decay-style", choices=["linear", "minus_sqrt"], default="linear")
+    p.add_argument("--train-samples", type=int, default=None, help="sample-based schedule (Megatron style)")
+    p.add_argument("--lr-warmup-samples", type=int, default=0)
+    p.add_argument("--lr-decay-samples", type=int, default=None)
+    p.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", default="mock")
+    p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3],
+                   help="1: projector only, 2: vision tower frozen, 3: everything")
+    p.add_argument("--train-layers", default=None, help="regex over vision.* / language.* names (overrides --stage)")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
+    for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--colocated", action="store_true", help="both modules on every rank")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--metrics-file", default=None)
+    p.add_argument("--moe-stats-every", type=int, default=10)
+    p.add_argument("--tensorboard", default=None)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-iters", type=int, default=2, help="global micro-batches per evaluation")
+    p.add_argument("--dry-run", action="store_true", help="build on the meta device, print sizes and memory, exit")
+    args, rest = p.parse_known_args(argv)
+    overrides, i = {}, 0
+    while i < len(rest):  # --field value | --field=value  ->  config overrides
+        if not rest[i].startswith("--"):
+            p.error(f"unexpected argument {rest[i]!r}")
+        key, eq, value = rest[i][2:].partition("=")
+        if not eq:
+            if i + 1 >= len(rest):
+                p.error(f"--{key} needs a value")
+            value, i = rest[i + 1], i + 1
+        overrides[key.replace("-", "_")] = value
+        i += 1
+    return args, overrides
+
+
+def learning_rate(args, it, samples):
+    """LR after `it` successful steps / `samples` consumed samples: linear warmup, then cosine / WSD / constant."""
+    if args.train_samples:
+        x, warm, end, tail = samples, args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, \
+            args.lr_wsd_decay_samples
+    else:
+        x, warm, end, tail = it, args.lr_warmup_iters, args.lr_decay_iters or args.steps, args.lr_wsd_decay_iters
+    if x < warm:
+        return args.lr * (x + 1) / warm
+    if args.lr_schedule == "constant":
+        return args.lr
+    if args.lr_schedule == "cosine":
+        progress = min(max((x - warm) / max(end - warm, 1), 0.0), 1.0)
+        return args.min_lr + (args.lr - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    tail = tail or max((end - warm) // 10, 1)
+    f = min(max((x - (end - tail)) / tail, 0.0), 1.0)           # 0 while stable, 1 at the end of the tail
+    drop = f if args.lr_wsd_decay_style == "linear" else math.sqrt(f)
+    return args.min_lr + (args.lr - args.min_lr) * (1 - drop)
+
+
+def memory_estimate(cfg, lay, stage):
+    """Bytes per rank of fp32 weights + gradients + AdamW state (16 B per trained parameter, 4 B per frozen)."""
+    with torch.device("meta"):
+        vision, lm = VisionModel(cfg), model.LanguageModel(cfg)
+    model.set_trainable({"vision": vision, "language": lm}, stage)
+    def per_rank(module, tp, ep_etp):
+        total = 0
+        for name, p in module.named_parameters():
+            kinds = {s[0] for s in getattr(p, "shards", ())}
+            share = ep_etp if "ep" in kinds else (tp if "tp" in kinds else 1)
+            total += p.numel() / share * (16 if p.requires_grad else 4)
+        return total
+    v = per_rank(vision, lay.vision_tp, 1)
+    lang = per_rank(lm, lay.lm_tp, lay.lm_ep * lay.lm_etp)
+    return {"vision_rank_bytes": v + (lang if lay.colocated else 0), "lm_rank_bytes": lang + (v if lay.colocated else 0)}
+
+
+def check_fits(cfg, lay, stage, device):
+    need = max(memory_estimate(cfg, lay, stage).values())
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+    if need > 0.9 * have:
+        gib = 2 ** 30
+        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {need / gib:.1f} GiB per rank for "
+                         f"weights, gradients and AdamW state, a rank here has {have / gib:.1f} GiB. Use more "
+                         f"ranks (--lm-tp / --lm-ep / --vision-tp), a smaller preset (tiny, small), or see "
+                         f"`--dry-run` for the per-rank estimate of a layout.")
+
+
+def optimizer_for(modules, args, device):
+    decay, no_decay = [], []
+    for m in modules:
+        for p in m.parameters():
+            if p.requires_grad:  # norms, biases, A_log, D, dt_bias are the 1-D parameters
+                (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def main(argv=None):
+    args, overrides = parse_args(argv)
+    cfg = config.resolve(args.preset, overrides)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
+                      lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
+    lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
+    if args.dry_run:
+        return dry_run(cfg, lay, args)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
+        torch.device("cpu")
+    check_fits(cfg, lay, args.stage, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    own_group = not dist.is_initialized()  # tests call main() inside an existing gloo group
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=world, rank=rank,
+                                **({} if "MASTER_ADDR" in os.environ else  # plain `python train.py`
+                                   {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
+    par = parallel.setup(lay, cfg)
+    parallel.print_ranks(par)
+    log_rank = par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0
+    if log_rank:
+        print("config:", json.dumps(vars(cfg)), flush=True)
+
+    vision = lm = None
+    if par.in_vision:
+        torch.manual_seed(args.seed + 10000)
+        with torch.device(device):
+            vision = VisionModel(cfg, par.vision.tp)
+        torch.manual_seed(args.seed + 30000 + par.vision.dp_rank)
+    if par.in_lm:
+        groups = {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp}
+        with torch.device(device):
+            lm = model.LanguageModel(cfg, groups, args.moe_dispatcher)
+        coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
+        model.init_weights(lm, args.seed + 20000, coords, cfg)
+        lm.checkpoint_layers = args.activation_checkpointing
+    modules = {k: m for k, m in (("vision", vision), ("language", lm)) if m is not None}
+    model.set_trainable(modules, args.stage, args.train_layers)
+    vparams = [p for p in vision.parameters()] if vision is not None else []
+    lparams = [p for p in lm.parameters()] if lm is not None else []
+    opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
+    if args.data != "mock":
+        raise SystemExit("--data: only 'mock' is implemented so far")
+    train_data, eval_data = data.MockData(cfg, args.seed), data.MockData(cfg, args.seed + 1)
+    bridge = parallel.Bridge(par, device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def microbatch(ds, first, train):
+        """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
+        Returns (sum of token losses, loss tokens) on language ranks, zeros elsewhere."""
+        loss_sum = torch.zeros((), device=device)
+        if vision is not None:
+            own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
+            patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
+            with autocast:
+                out = vision(patches.to(device), grids)
+            bridge.send(out, rows)
+        if lm is not None:
+            x, rows = bridge.recv()
+            ids, labels = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)])
+            ids, labels = ids.to(device), labels.to(device)
+            with autocast:
+                h = model.place_images(lm.embed(ids), ids, x, rows, cfg.image_token_id)
+                s, _ = lm.loss_sum(lm(h), labels)
+            if train:
+                s.backward()
+                bridge.send_grad()
+            loss_sum = s.detach().float()
+        if vision is not None and train:
+            bridge.backward_encoder()
+        if not train:
+            bridge.release()
+        return loss_sum
+
+    def lane_tokens(ds, first_sample, n_micro):
+        if lm is None:
+            return 0
+        own = parallel.lane_samples(lay, "lm", par.lm.dp_rank)
+        return sum(int((ds[first_sample + m * lay.samples_per_microbatch + i].labels != -100).sum())
+                   for m in range(n_micro) for i in own)
+
+    def reduce_loss(loss_sum):
+        if lm is not None:
+            dist.all_reduce(loss_sum, group=par.lm.dp_cp)
+        return loss_sum.item()
+
+    def evaluate():
+        for m in modules.values():
+            m.eval()
+        total = torch.zeros((), device=device)
+        with torch.no_grad():
+            for k in range(args.eval_iters):
+                total += microbatch(eval_data, k * lay.samples_per_microbatch, train=False)
+        n = parallel.global_token_count(par, lane_tokens(eval_data, 0, args.eval_iters))
+        for m in modules.values():
+            m.train()
+        return reduce_loss(total) / max(n, 1), n
+
+    stop = {"signal": None}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    metrics = open(args.metrics_file, "a") if args.metrics_file and log_rank else None
+    tb = None
+    if args.tensorboard and log_rank:
+        from torch.utils.tensorboard import SummaryWriter  # optional dependency
+        tb = SummaryWriter(args.tensorboard)
+    tokens_per_step = args.global_batch * cfg.seq_len
+    grids_per_sample = [(cfg.mock_image_size // cfg.vit_patch,) * 2]
+    step_flops = args.global_batch * (cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) + model.vision_flops(
+        cfg, grids_per_sample, any(p.requires_grad for n, p in vision.named_parameters() if "mlp1" not in n)
+        if vision is not None else False))
+    peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
+                None)
+    good_steps = consumed = skipped = 0
+    history = []  # per step, on every rank: what tests and callers of main() inspect
+    for m in modules.values():
+        m.train()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        lr = learning_rate(args, good_steps, consumed)
+        if opt is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        base = step * args.global_batch
+        n_micro = lay.num_microbatches
+        n_global = parallel.global_token_count(par, lane_tokens(train_data, base, n_micro))
+        moe.AuxLossInjector.scale = n_global / (n_micro * lay.lm_dp)  # grads are divided by N_global below
+        loss_sum = torch.zeros((), device=device)
+        for k in range(n_micro):
+            loss_sum += microbatch(train_data, base + k * lay.samples_per_microbatch, train=True)
+        norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
+        counts = None
+        if ok:
+            if opt is not None:
+                opt.step()
+            if lm is not None:
+                counts = moe.update_expert_bias(lm, cfg.moe_bias_update_rate, par.lm.tp_dp)
+            good_steps += 1
+        else:
+            skipped += 1
+            if lm is not None:
+                for r in lm.modules():
+                    if isinstance(r, moe.Router):
+                        r.tokens_per_expert.zero_()
+        consumed += args.global_batch
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
+        loss = reduce_loss(loss_sum) / max(n_global, 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        history.append({"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr,
+                        "ok": ok})
+        stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
+        dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
+        if log_rank and (step % args.log_every == 0 or step == args.steps - 1):
+            tflops = step_flops / dt / world / 1e12
+            rec = {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "skipped": skipped,
+                   "consumed_samples": consumed, "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt,
+                   "tokens_per_s_per_gpu_lm": tokens_per_step / dt / lay.lm_size,
+                   "tokens_per_s_per_gpu_all": tokens_per_step / dt / world, "step_time_s": dt,
+                   "tflops_per_gpu": tflops if device.type == "cuda" else None,
+                   "mfu": tflops / peak if peak else None, "peak_mem_gib": peak_memory_gib(device)}
+            if counts is not None and args.moe_stats_every and step % args.moe_stats_every == 0:
+                rec["moe"] = moe_stats(counts)
+            print(format_line(rec), flush=True)
+            if metrics:
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+            if tb:
+                for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+                                  ("step_time_s", "iteration-time"), ("tokens_per_s", "throughput")):
+                    tb.add_scalar(name, rec[key], step + 1)
+                for key, value in rec.get("moe", {}).items():
+                    if not isinstance(value, list):
+                        tb.add_scalar(f"moe/{key}", value, step + 1)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            eval_loss, eval_tokens = evaluate()
+            if log_rank:
+                print(f"eval step {step + 1}: loss {eval_loss:.4f} over {eval_tokens} tokens", flush=True)
+        if stop_now.item():
+            if log_rank:
+                print(f"stopping after step {step + 1} on signal", flush=True)
+            break
+    if metrics:
+        metrics.close()
+    if own_group:
+        dist.destroy_process_group()
+    return history, modules
+
+
+def moe_stats(counts_LE):
+    """Per MoE layer: expert load entropy (nats; log E when balanced), max load fraction, tokens, counts."""
+    frac = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)
+    entropy = -(frac * frac.clamp_min(1e-12).log()).sum(-1)
+    return {"routing_entropy_mean": entropy.mean().item(), "max_expert_load_frac": frac.max().item(),
+            "tokens_per_layer": counts_LE.sum(-1).tolist(), "expert_counts": counts_LE.long().tolist()}
+
+
+def peak_memory_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def format_line(r):
+    na = lambda v, f: "N/A" if v is None else format(v, f)
+    return (f"step {r['step']} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm {r['grad_norm']:.3f} | "
+            f"skipped {r['skipped']} | tok/s/gpu {r['tokens_per_s_per_gpu_lm']:.0f} (lm) "
+            f"{r['tokens_per_s_per_gpu_all']:.0f} (all) | TFLOP/s/gpu {na(r['tflops_per_gpu'], '.1f')} | "
+            f"MFU {na(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} ms | peak mem {r['peak_mem_gib']:.2f} GiB")
+
+
+def dry_run(cfg, lay, args):
+    total_lm, active_lm = model.count_language_params(cfg)
+    with torch.device("meta"):
+        n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
+    print("config:", json.dumps(vars(cfg)))
+    print(lay.describe())
+    mem = {k: round(v / 2 ** 30, 2) for k, v in memory_estimate(cfg, lay, args.stage).items()}
+    print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
+                      "params_vision": n_vision, "params_language": total_lm,
+                      "memory_gib_per_rank": mem, "layout": lay.describe()}))
+
+
+if __name__ == "__main__":
+    main()

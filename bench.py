@@ -1,0 +1,208 @@
+"""Measure the training code paths: python bench.py --preset 20l --n-routed-experts 16 [--vs-hf] [--parts ...]
+
+Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autocast, fp32 master weights):
+  lm      language model fwd+bwd (batch --batch, seq --seq-len): tokens/s, TFLOP/s, MFU, peak memory
+  step    lm fwd+bwd + fused AdamW step
+  vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
+  moe     one MoE layer fwd+bwd, against a dense bf16 GEMM chain with the same FLOPs
+  mamba   one Mamba2 layer fwd+bwd
+  --vs-hf the same language config through transformers' NemotronHForCausalLM (bf16, SDPA, grouped_mm experts,
+          mamba kernels), in the same process: both figures and the ratio.
+FLOPs come from model.lm_flops_per_token / vision_flops (formulas in model.py). The last line is one JSON object;
+--out FILE also writes a dated markdown report.
+"""
+import argparse
+import datetime
+import json
+import subprocess
+import time
+
+import torch
+
+import config
+import model
+from radio import VisionModel
+from train import PEAK_TFLOPS
+
+
+def timed(fn, iters, warmup):
+    """Mean seconds per call after `warmup` calls (synchronised), and peak memory of the timed calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    dt = (time.perf_counter() - t0) / iters
+    mem = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
+    return dt, mem
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def figures(name, dt, mem, flops, tokens, peak):
+    tflops = flops / dt / 1e12
+    out = {"part": name, "ms": dt * 1e3, "tflops": tflops, "mfu": tflops / peak if peak else None,
+           "peak_mem_gib": mem}
+    if tokens:
+        out["tokens_per_s"] = tokens / dt
+    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()), flush=True)
+    return out
+
+
+def bench_lm(cfg, args, dev, peak, with_step):
+    lm = model.LanguageModel(cfg).to(dev)
+    model.init_weights(lm, 0, {}, cfg)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-5, fused=dev.type == "cuda") if with_step else None
+
+    def fwd_bwd():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            s, n = lm.loss_sum(lm(lm.embed(ids)), ids)
+        (s / n).backward()
+        if opt:
+            opt.step()
+        opt.zero_grad(set_to_none=True) if opt else lm.zero_grad(set_to_none=True)
+
+    dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    if args.profile and not with_step:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fwd_bwd()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    tokens = args.batch * cfg.seq_len
+    out = figures("step" if with_step else "lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len),
+                  tokens, peak)
+    del lm, opt
+    return out
+
+
+def bench_hf(cfg, args, dev, peak):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    import checkpoint
+    hf_cfg = NemotronHConfig(**checkpoint.hf_config(cfg), attn_implementation="sdpa",
+                             experts_implementation="grouped_mm")
+    hf = NemotronHForCausalLM(hf_cfg).to(dev, torch.bfloat16).train()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
+
+    def fwd_bwd():
+        hf(input_ids=ids, labels=ids).loss.backward()
+        hf.zero_grad(set_to_none=True)
+
+    dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    tokens = args.batch * cfg.seq_len
+    out = figures("hf_lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len), tokens, peak)
+    del hf
+    return out
+
+
+def bench_layer(kind, cfg, args, dev, peak):
+    """One layer of `kind` (M or E) of the preset, fwd+bwd on [batch, seq, hidden]."""
+    layer = model.Block(kind, cfg, {}, "alltoall").to(dev)
+    holder = torch.nn.Module()
+    holder.layer = layer
+    model.init_weights(holder, 0, {}, cfg)
+    x = torch.randn(args.batch, cfg.seq_len, cfg.hidden_size, device=dev, requires_grad=True)
+
+    def fwd_bwd():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            y = layer.mixer(x)
+        y.float().square().mean().backward()
+
+    dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    T, D = args.batch * cfg.seq_len, cfg.hidden_size
+    if kind == "E":
+        k, F_, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
+        flops = 6 * T * (k * 2 * D * F_ + 2 * D * Fs + D * cfg.n_routed_experts)
+    else:
+        flops = T * (6 * sum(p.numel() for n, p in layer.named_parameters() if "proj" in n)) + T * (
+            3 * cfg.mamba_num_heads * (cfg.chunk_size * (cfg.ssm_state_size + cfg.mamba_head_dim)
+                                       + 4 * cfg.ssm_state_size * cfg.mamba_head_dim))
+    out = figures("moe" if kind == "E" else "mamba", dt, mem, flops, T, peak)
+    if kind == "E" and dev.type == "cuda":  # the same FLOPs as plain dense bf16 GEMMs: the ceiling for this shape
+        a = torch.randn(T * k, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w1 = torch.randn(D, F_, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w2 = torch.randn(F_, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+        def dense():
+            (torch.relu(a @ w1).square() @ w2).float().mean().backward()
+
+        ddt, _ = timed(dense, args.iters, args.warmup)
+        dense_tflops = 6 * T * k * 2 * D * F_ / ddt / 1e12
+        out["dense_equiv_tflops"] = dense_tflops
+        out["moe_vs_dense"] = out["tflops"] / dense_tflops
+        print(f"dense GEMM chain, same routed FLOPs: {dense_tflops:.1f} TFLOP/s; MoE layer at "
+              f"{out['moe_vs_dense']:.1%} of it", flush=True)
+    return out
+
+
+def bench_vision(cfg, args, dev, peak):
+    vision = VisionModel(cfg).to(dev)
+    side = cfg.mock_image_size // cfg.vit_patch
+    patches = torch.randn(side * side, 3 * cfg.vit_patch ** 2, device=dev)
+
+    def fwd_bwd():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            y = vision(patches, [(side, side)])
+        y.float().square().mean().backward()
+        vision.zero_grad(set_to_none=True)
+
+    dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    out = figures("vision", dt, mem, model.vision_flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
+    del vision
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="20l")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--parts", default="lm,step,moe,mamba,vision")
+    p.add_argument("--vs-hf", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one lm fwd+bwd")
+    p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
+    args, rest = p.parse_known_args(argv)
+    overrides = {rest[i][2:].replace("-", "_"): rest[i + 1] for i in range(0, len(rest), 2)}
+    cfg = config.resolve(args.preset, overrides)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    results = {}
+    for part in args.parts.split(","):
+        if part in ("lm", "step"):
+            results[part] = bench_lm(cfg, args, dev, peak, with_step=part == "step")
+        elif part in ("moe", "mamba"):
+            results[part] = bench_layer("E" if part == "moe" else "M", cfg, args, dev, peak)
+        elif part == "vision":
+            results[part] = bench_vision(cfg, args, dev, peak)
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    if args.vs_hf:
+        results["hf_lm"] = bench_hf(cfg, args, dev, peak)
+        if "lm" in results:
+            results["speedup_vs_hf"] = results["lm"]["tokens_per_s"] / results["hf_lm"]["tokens_per_s"]
+            print(f"speedup vs HF NemotronH: {results['speedup_vs_hf']:.2f}x", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit or None,
+            "date": datetime.date.today().isoformat(), "preset": args.preset, "overrides": overrides,
+            "batch": args.batch, "seq_len": cfg.seq_len}
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# bench {meta['date']}: {args.preset} {overrides} on {name}\n\n")
+            f.write("\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n| part | result |\n|---|---|\n")
+            for k, v in results.items():
+                f.write(f"| {k} | {json.dumps(v)} |\n")
+    print(json.dumps({**meta, **results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -130,6 +130,8 @@ class LanguageModel(nn.Module):
 
     def forward(self, h_BLD, seq_idx=None):
         """Embedded input (image rows already placed) -> final normed hidden states."""
+        if torch.is_autocast_enabled(h_BLD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
+            h_BLD = h_BLD.to(torch.get_autocast_dtype(h_BLD.device.type))
         for layer in self.backbone.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, use_reentrant=False)
@@ -143,26 +145,50 @@ class LanguageModel(nn.Module):
 
     def loss_sum(self, hidden, labels):
         """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation)."""
-        logits = self.logits(hidden).float().flatten(0, 1)
+        logits = self.logits(hidden).flatten(0, 1)
         losses = vocab_parallel_cross_entropy(logits, labels.flatten(), self.tp_group)
         return losses.sum(), (labels != -100).sum()
 
 
 def vocab_parallel_cross_entropy(logits_NV, targets_N, group=None):
     """Per-token CE over a vocab split across `group`; no rank ever holds the full logits. -100 -> loss 0."""
-    V = logits_NV.shape[-1]
-    start = V * comm.group_rank(group)
-    with torch.no_grad():  # a constant shift: any value keeps the math exact, the max keeps exp() finite
-        shift = logits_NV.max(-1, keepdim=True).values
+    return _VocabParallelCE.apply(logits_NV, targets_N, group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Fused fp32 softmax cross-entropy on a vocab shard: one fp32 copy of the logits, reused in place for the
+    softmax that backward needs (instead of autograd keeping several full-vocab intermediates)."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, targets_N, group):
+        V = logits_NV.shape[-1]
+        z = logits_NV.float()                                  # a copy even for fp32 input: modified in place
+        shift = z.max(-1, keepdim=True).values                 # any shift is exact; the max keeps exp() finite
         if comm.group_size(group) > 1:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-    z = logits_NV - shift
-    sum_exp = comm.reduce_from(z.exp().sum(-1), group)
-    local_t = targets_N - start
-    inside = (local_t >= 0) & (local_t < V)
-    picked = z.gather(-1, local_t.clamp(0, V - 1)[:, None]).squeeze(-1) * inside
-    target_logit = comm.reduce_from(picked, group)
-    return (torch.log(sum_exp) - target_logit) * (targets_N != -100)
+        z.sub_(shift)
+        local_t = targets_N - V * comm.group_rank(group)
+        inside = (local_t >= 0) & (local_t < V)
+        local_t = local_t.clamp(0, V - 1)
+        target_logit = z.gather(-1, local_t[:, None]).squeeze(-1) * inside
+        z.exp_()
+        sum_exp = z.sum(-1)
+        if comm.group_size(group) > 1:
+            dist.all_reduce(sum_exp, group=group)
+            dist.all_reduce(target_logit, group=group)
+        valid = targets_N != -100
+        z.div_(sum_exp[:, None])                               # softmax, kept for backward
+        ctx.save_for_backward(z, local_t, inside & valid, valid)
+        ctx.dtype = logits_NV.dtype
+        return (torch.log(sum_exp) - target_logit) * valid
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax, local_t, hit, valid = ctx.saved_tensors
+        g = grad_N * valid
+        grad = softmax.mul_(g[:, None])
+        grad.scatter_add_(-1, local_t[:, None], -(g * hit)[:, None])
+        return grad.to(ctx.dtype), None, None
 
 
 def place_images(h_BLD, input_ids, image_rows, rows_per_sample, image_token_id):

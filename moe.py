@@ -152,9 +152,7 @@ class MoE(nn.Module):
         n_local = self.num_experts // ep
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
-        src_tok = order // K
-        x_send = x_TD[src_tok]
-        w_sorted = topk_w.reshape(-1)[order]
+        x_send, unorder = gather_routed(x_TD, order, K)          # row i = token order[i] // K
         cnt = torch.bincount(flat, minlength=self.num_experts)
         cnt_recv = cnt.view(ep, n_local).clone()                 # [source ep rank, local expert]
         if ep > 1:
@@ -169,14 +167,60 @@ class MoE(nn.Module):
             sizes = [int(c.sum()) for c in cnt_all]
             x_recv = comm.all_to_all(x_recv.repeat(etp, 1), sizes, [x_recv.shape[0]] * etp, self.etp_group)
         perm = _source_to_expert_order(cnt_recv)
-        y_exp = experts(x_recv[perm], cnt_recv.sum(0).tolist())
-        y_recv = torch.empty_like(y_exp).index_copy(0, perm, y_exp)
+        inv_perm = inverse_permutation(perm)
+        y_exp = experts(permute_rows(x_recv, perm, inv_perm), cnt_recv.sum(0).tolist())
+        y_recv = permute_rows(y_exp, inv_perm, perm)
         if etp > 1:  # sum the ffn-slice partials and keep own rows (the adjoint of the gather above)
             n_own = sum(out_splits)
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
         y_back = comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
-        y_back = (y_back.float() * w_sorted[:, None]).to(y_back.dtype)
-        return y_back.new_zeros(x_TD.shape).index_add(0, src_tok, y_back)
+        # back to (token, k) order, then the weighted sum over k as one batched GEMM (fp32 accumulation)
+        y_TKD = permute_rows(y_back, unorder, order).view(T, K, -1)
+        return torch.bmm(topk_w.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+
+
+def inverse_permutation(idx):
+    inv = torch.empty_like(idx)
+    inv[idx] = torch.arange(len(idx), device=idx.device)
+    return inv
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[idx] for a permutation idx. Backward is again a gather (by the inverse), not an atomic scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return x[idx]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad[inv], None, None
+
+
+def permute_rows(x, idx, inv):
+    return _PermuteRows.apply(x, idx, inv)
+
+
+class _GatherRouted(torch.autograd.Function):
+    """Routed copies x[order // K]; backward gathers the copies back to (token, k) order and sums over k."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order, unorder, K):
+        ctx.save_for_backward(unorder)
+        ctx.K = K
+        return x_TD[order // K]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (unorder,) = ctx.saved_tensors
+        return grad[unorder].view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+
+
+def gather_routed(x_TD, order, K):
+    unorder = inverse_permutation(order)
+    return _GatherRouted.apply(x_TD, order, unorder, K), unorder
 
 
 def _source_to_expert_order(cnt_SJ):

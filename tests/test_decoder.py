@@ -176,10 +176,16 @@ def test_grouped_mm_loop_handles_empty_groups():
 
 
 def test_cross_entropy_equals_torch():
-    logits, t = torch.randn(9, 31), torch.randint(0, 31, (9,))
+    logits, t = torch.randn(9, 31, requires_grad=True), torch.randint(0, 31, (9,))
     t[2] = -100
+    w = torch.rand(9)
     ref = F.cross_entropy(logits, t, reduction="none")
-    torch.testing.assert_close(model.vocab_parallel_cross_entropy(logits, t), ref)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), logits)
+    out = model.vocab_parallel_cross_entropy(logits, t)
+    (g,) = torch.autograd.grad((out * w).sum(), logits)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, g_ref)
+    assert g[2].abs().sum() == 0
 
 
 def test_place_images_and_mismatch_error():

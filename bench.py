@@ -107,7 +107,8 @@ def bench_layer(kind, cfg, args, dev, peak):
     holder = torch.nn.Module()
     holder.layer = layer
     model.init_weights(holder, 0, {}, cfg)
-    x = torch.randn(args.batch, cfg.seq_len, cfg.hidden_size, device=dev, requires_grad=True)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the residual stream's dtype in training
+    x = torch.randn(args.batch, cfg.seq_len, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
 
     def fwd_bwd():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):

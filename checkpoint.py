@@ -1,8 +1,22 @@
-"""Checkpoints: our single-file format, and export / import of HF NemotronH (`nemotron_h`) checkpoints.
+"""Checkpoints: save, bit-exact resume, async save and resharding for any training layout, and HF NemotronH
+export / import. One format, written by training (sharded) and by the offline tools (full tensors: save_model).
 
-Ours (one process, full tensors): DIR/model.safetensors = state_dict() under our names (persistent buffers such as
-the expert bias included, the non-persistent tokens_per_expert not), DIR/config.json = asdict(Config). State dicts
-are generic: the same files hold a bare LanguageModel or a whole VLM.
+  DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
+  DIR/step_00000006/
+    model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
+                         and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts. Full
+                         names ("language.backbone.…"); written by the dp-rank-0 replica (edp 0 for experts).
+    optim.{module}.{shard}.safetensors  AdamW state of trainable parameters, sharded like them: NAME.exp_avg,
+                         NAME.exp_avg_sq, NAME.step. Frozen parameters have none.
+    rank_00003.json      global rank 3: RNG states (python, numpy, torch CPU / CUDA) and its data-loader state
+    config.json          the resolved Config
+    meta.json            written after every rank's files, so without it a step is an interrupted save: counters
+                         (step, good_steps, consumed_samples, skipped; the LR schedule is a function of them and of
+                         the saved `scheduler` args), layout, data position of every language lane, train args,
+                         every tensor's full shape / dtype / sharding, every file's tensors with their crc32.
+Loading assembles a tensor from the saved slices (comm.unshard; the saving layout is in meta.json) and keeps this
+rank's slice (comm.shard): any layout loads any other, and with an unchanged layout a rank reads only its own files.
+Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
 HF: the original names (decoder.md §9), equal to ours except that routed experts are stored one tensor per expert
 (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj` [E, F, D]).
 CLI:  python checkpoint.py export-hf --load CKPT --out HF_DIR  |  import-hf --hf HF_DIR --out CKPT
@@ -13,22 +27,32 @@ import glob
 import json
 import math
 import os
+import random
 import re
+import shutil
+import sys
+import threading
+import zlib
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import comm
 import config
 import model
+import parallel
+import radio
 
-WEIGHTS_NAME, INDEX_NAME, CONFIG_NAME = "model.safetensors", "model.safetensors.index.json", "config.json"
-DEFAULT_SHARD_BYTES = 5 * 10**9   # HF's classic default shard size
-
-# Where the language model sits inside a full-model state dict. Checkpoints hold a bare LanguageModel today, so
-# the prefix is empty; once the VLM module holds it as a child (e.g. `language.`), set the prefix here. Keys are
-# picked by prefix AND by the LM's own top-level children, so vision keys never leak into an LM export.
-LM_PREFIX = ""
-LM_ROOTS = ("backbone.", "lm_head.")
+WEIGHTS_NAME, INDEX_NAME, CONFIG_NAME, META_NAME = "model.safetensors", "model.safetensors.index.json", \
+    "config.json", "meta.json"
+VISION_NAME = "vision.safetensors"   # export-hf: vision tower + projector under HF Nemotron-VL names
+DEFAULT_SHARD_BYTES = 5 * 10**9      # HF's classic default shard size
+FORMAT = "hetero-vlm-checkpoint/1"
+FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
+LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.")   # full names: "vision." / "language." + module key
 
 # Config fields: HF name -> our name. Everything else in Config is ours alone (training, vision, layout).
 HF_SAME = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads", "num_key_value_heads",
@@ -37,7 +61,6 @@ HF_SAME = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attentio
            "moe_shared_expert_intermediate_size", "intermediate_size", "routed_scaling_factor")
 HF_RENAMED = {"layer_norm_epsilon": "norm_eps", "initializer_range": "init_std"}
 LANGUAGE_FIELDS = HF_SAME + tuple(HF_RENAMED.values())
-
 # HF switches whose value is baked into our model; import refuses any other value (absent = HF default = this).
 HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, attention_bias=False, mlp_bias=False,
                 n_shared_experts=1, mlp_hidden_act="relu2", mamba_hidden_act="silu", n_group=1, topk_group=1,
@@ -49,36 +72,372 @@ HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, exp
                eos_token_id=2, pad_token_id=0, mamba_ssm_cache_dtype="float32", attention_dropout=0.0,
                hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True, rescale_prenorm_residual=True)
 HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}   # transformers 5.x
-
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
 EXPERT_KEY = re.compile(r"^(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")    # HF, one per expert
 
+# A checkpoint loads only into a run with equal model fields (data, optimizer and layout fields may change).
+MODEL_FIELDS = LANGUAGE_FIELDS + ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch",
+                                  "vit_cpe_grid", "class_token_len", "projector_hidden", "image_token_id")
+GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp")
 
-# ---------------------------------------------------------------- our format
+
+# ---------------------------------------------------------------- names, slices, files
+
+def _sizes(lay):
+    """Slices per module and shard kind under a layout."""
+    return {"vision": {"tp": lay.vision_tp}, "language": {"tp": lay.lm_tp, "ep": lay.lm_ep, "etp": lay.lm_etp}}
+
+
+def _shard_file(kind, name, shards, coords):
+    """The file (kind: model | optim) holding the slice at `coords` of tensor `name`, sharded by `shards`."""
+    kinds = {s[0] for s in shards}
+    at = {k: coords.get(k, 0) if k in kinds else 0 for k in ("tp", "ep", "etp")}
+    tag = f"ep{at['ep']}-etp{at['etp']}" if "ep" in kinds else f"tp{at['tp']}"
+    return f"{kind}.{name.split('.', 1)[0]}.{tag}.safetensors"
+
+
+def _entries(par, modules):
+    """(full name, parameter or persistent buffer, its ModuleGroups, its coords, its module's slice counts)."""
+    for prefix, module in modules.items():
+        groups, sizes = par.vision if prefix == "vision" else par.lm, _sizes(par.layout)[prefix]
+        coords = {k: getattr(groups, f"{k}_rank") for k in ("tp", "ep", "etp")}
+        for name, t in module.state_dict(keep_vars=True).items():
+            yield f"{prefix}.{name}", t, groups, coords, sizes
+
+
+def _dtype(t):
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _crc(t):
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write(path, obj):
+    """Atomic and durable: tmp file, fsync, rename, fsync the directory, so a reader sees the old file or the
+    whole new one. obj: {key: tensor} for *.safetensors, a str, or JSON data. (The crash test makes it hang.)"""
+    tmp = path + ".tmp"
+    if path.endswith(".safetensors"):
+        save_file({k: v.contiguous() for k, v in obj.items()}, tmp, {"format": "pt"})
+    else:
+        with open(tmp, "w") as f:
+            f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=1))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _read_latest(root):
+    path = os.path.join(root, "latest")
+    return open(path).read().strip() if os.path.exists(path) else None
+
+
+# ---------------------------------------------------------------- save
+
+def _snapshot(par, modules, opt, copy):
+    """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async)."""
+    trained = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
+    cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
+    files, specs = {}, {}
+    for name, t, groups, coords, sizes in _entries(par, modules):
+        if not parallel._unique_here(t, groups):   # the copy the grad norm counts: dp / edp rank 0, one per slice
+            continue
+        shards, shape = [list(s) for s in getattr(t, "shards", ())], list(t.shape)
+        for kind, dim, _ in shards:
+            shape[dim] *= sizes[kind]
+        specs[name] = {"shape": shape, "dtype": _dtype(t), "shards": shards, "optim": id(t) in trained}
+        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(t)
+        if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
+            st, out = opt.state.get(t, {}), files.setdefault(_shard_file("optim", name, shards, coords), {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}.{key}"] = cpu(st[key]) if key in st else torch.zeros(t.shape, dtype=t.dtype)
+            out[f"{name}.step"] = cpu(st["step"]).float() if "step" in st else torch.tensor(0.0)
+    return files, specs
+
+
+def _rng_state():
+    py, npy = random.getstate(), np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]], "numpy": [npy[0], npy[1].tolist(), *npy[2:]],
+            "torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(s):
+    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
+    np.random.set_state((s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]))
+    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(c, dtype=torch.uint8) for c in s["cuda"]])
+
+
+def _write_files(step_dir, files):
+    """{file: {key: tensor}} into step_dir -> {file: {key: crc32}}."""
+    for fname, tensors in files.items():
+        _write(os.path.join(step_dir, fname), tensors)
+    return {fname: {k: _crc(v) for k, v in tensors.items()} for fname, tensors in files.items()}
+
+
+class Saver:
+    """ROOT/step_N when train.py asks (--save-every, the last step, a stop signal). Collective: all ranks call it
+    after the same step. Sync: save() returns with the checkpoint complete. Async: save() copies the tensors to CPU
+    and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
+    --keep-last pruning. At most one save in flight; a failed write is reported (sync: raised), `latest` stays."""
+
+    def __init__(self, root, par, cfg, modules, opt, args, data=None):
+        self.root, self.par, self.cfg, self.modules, self.opt, self.args, self.data = \
+            root, par, cfg, modules, opt, args, data
+        self.rank, self.pending = dist.get_rank(), None
+        os.makedirs(root, exist_ok=True)
+
+    def after_step(self, step, counters, last):
+        if (self.args.save_every and step % self.args.save_every == 0) or last:
+            self.save(step, counters)
+        elif self.pending is not None:   # one small all-reduce per step while an async save is in flight
+            done = torch.tensor([int(not self.pending[3].is_alive())], device=parallel._device())
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                self.close()
+
+    def save(self, step, counters):
+        self.close()
+        name, lay, lm, world = f"step_{step:08d}", self.par.layout, self.par.lm, dist.get_world_size()
+        step_dir = os.path.join(self.root, name)
+        if self.rank == 0:   # a leftover of an interrupted or abandoned run is replaced
+            if _read_latest(self.root) == name:
+                os.remove(os.path.join(self.root, "latest"))
+            shutil.rmtree(step_dir, ignore_errors=True)
+            os.makedirs(step_dir)
+        dist.barrier()
+        files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.args.async_save)
+        data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
+        rank_state, lanes = {"rank": self.rank, "rng": _rng_state(), "data": data_state}, [None] * world
+        dist.all_gather_object(lanes, None if lm is None or lm.tp_rank else {   # every language lane's position
+            "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
+            "state": data_state})
+        args = vars(self.args)   # the LR schedule is a function of counters and these `scheduler` args
+        meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world, "args": args,
+                "scheduler": {k: v for k, v in args.items() if "lr" in k or k in ("steps", "train_samples")},
+                "layout": dataclasses.asdict(lay), "layout_text": lay.describe(), "sizes": _sizes(lay),
+                "data": {"consumed_samples": counters["consumed_samples"],
+                         "lanes": sorted((x for x in lanes if x), key=lambda x: x["lane"])}}
+        result = {}
+
+        def write():
+            try:
+                result["manifest"] = _write_files(step_dir, files)
+                _write(os.path.join(step_dir, f"rank_{self.rank:05d}.json"), rank_state)
+            except BaseException as e:   # reported on every rank by close()
+                result["error"] = f"rank {self.rank}: {type(e).__name__}: {e}"
+        thread = threading.Thread(target=write, daemon=True) if self.args.async_save else None
+        self.pending = (step_dir, meta, specs, thread, result)
+        if thread is None:
+            write()
+            self.close()
+        else:
+            thread.start()
+
+    def close(self):
+        """Wait for the save in flight (if any), then commit it: meta.json, `latest`, pruning."""
+        if self.pending is None:
+            return
+        (step_dir, meta, specs, thread, result), self.pending = self.pending, None
+        if thread is not None:
+            thread.join()
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (result.get("error"), result.get("manifest", {}), specs))
+        errors = [e for e, _, _ in reports if e]
+        if errors:
+            msg = f"checkpoint {step_dir} FAILED, `latest` stays {_read_latest(self.root)}: " + "; ".join(errors)
+            if not self.args.async_save:
+                raise RuntimeError(msg)
+            if self.rank == 0:
+                print(msg, file=sys.stderr, flush=True)
+        elif self.rank == 0:
+            meta["tensors"] = {k: v for _, _, s in reports for k, v in sorted(s.items())}
+            meta["files"] = {k: v for _, m, _ in reports for k, v in sorted(m.items())}
+            _write(os.path.join(step_dir, CONFIG_NAME), dataclasses.asdict(self.cfg))
+            _write(os.path.join(step_dir, META_NAME), meta)
+            _write(os.path.join(self.root, "latest"), os.path.basename(step_dir) + "\n")
+            if self.args.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
+                older = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d{8}", d)
+                               and d <= os.path.basename(step_dir))
+                for d in older[:-self.args.keep_last]:
+                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+            print(f"saved checkpoint {step_dir}", flush=True)
+
 
 def save_model(path, cfg, state_dict):
-    """Write path/model.safetensors (full tensors, our names) and path/config.json."""
-    os.makedirs(path, exist_ok=True)
-    weights = os.path.join(path, WEIGHTS_NAME)   # tmp + rename: a crash never leaves a half-written file behind
-    save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, weights + ".tmp", {"format": "pt"})
-    os.replace(weights + ".tmp", weights)
-    _write_json(os.path.join(path, CONFIG_NAME), dataclasses.asdict(cfg))
+    """Weights only, full tensors under full names ("language.…", "vision.…"), e.g. import-hf's output: no layout,
+    optimizer or RNG. load_model, export-hf and train.py --load [--finetune] read it like any checkpoint."""
+    files, specs = {}, {}
+    for k, v in state_dict.items():
+        if k.split(".", 1)[0] not in ("vision", "language"):
+            raise ValueError(f"{k}: checkpoint names start with 'vision.' or 'language.'")
+        files.setdefault(_shard_file("model", k, [], {}), {})[k] = v.detach().cpu()
+        specs[k] = {"shape": list(v.shape), "dtype": _dtype(v), "shards": [], "optim": False}
+    os.makedirs(path, exist_ok=True)   # files of an earlier save here are ignored: meta.json lists the files
+    _write(os.path.join(path, CONFIG_NAME), dataclasses.asdict(cfg))
+    _write(os.path.join(path, META_NAME), {
+        "format": FORMAT, "step": 0, "counters": FRESH, "layout": None, "ranks": 0, "tensors": specs,
+        "sizes": {"vision": {"tp": 1}, "language": {"tp": 1, "ep": 1, "etp": 1}}, "files": _write_files(path, files)})
+
+
+# ---------------------------------------------------------------- load
+
+def resolve(path):
+    """A save directory (follows `latest`) or a step directory -> the step directory, which must be complete."""
+    step_dir = os.path.join(path, _read_latest(path)) if _read_latest(path) else path
+    if not os.path.exists(os.path.join(step_dir, META_NAME)):
+        raise FileNotFoundError(f"{os.path.join(step_dir, META_NAME)}: missing: {step_dir} is not a complete "
+                                "checkpoint (an interrupted save, or a save directory without `latest`)")
+    return step_dir
+
+
+def saved_config(path, overrides=None):
+    """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only)."""
+    path = os.path.join(resolve(path), CONFIG_NAME)
+    with open(path) as f:   # a missing file raises FileNotFoundError naming it
+        values = json.load(f)
+    fields = {f.name: f for f in dataclasses.fields(config.Config)}
+    if set(values) - set(fields):
+        raise ValueError(f"{path}: unknown config fields {sorted(set(values) - set(fields))}")
+    cfg = config.Config(**values)   # fields added to Config later keep their defaults
+    for k, v in (overrides or {}).items():
+        if k not in fields:
+            raise SystemExit(f"unknown config field {k!r}")
+        setattr(cfg, k, config._parse(fields[k], v))
+    config.check(cfg)
+    return cfg
+
+
+class Reader:
+    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json."""
+
+    def __init__(self, path):
+        self.dir = resolve(path)
+        with open(os.path.join(self.dir, META_NAME)) as f:
+            self.meta = json.load(f)
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(f"{self.dir}/{META_NAME}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        self.cfg, self.tensors, self.handles = saved_config(self.dir), self.meta["tensors"], {}
+
+    def read(self, name, suffix="", kind="model", shards=(), coords=None, sizes=None):
+        """Tensor `name` + suffix (".exp_avg", ...): full, or with `shards` (a live parameter's .shards) the slice
+        at `coords` of a layout with `sizes` slices per kind."""
+        if name not in self.tensors:
+            raise ValueError(f"{self.dir}/{META_NAME}: missing tensor {name}")
+        spec, key = self.tensors[name], name + suffix
+        saved, saved_sizes = [tuple(s) for s in spec["shards"]], self.meta["sizes"][name.split(".", 1)[0]]
+        if suffix == ".step":   # a scalar, stored with every slice
+            return self._get(_shard_file(kind, key, saved, {}), key, [], "float32")
+        want = [tuple(s) for s in shards]
+        if want and want == saved and all(saved_sizes[k] == sizes[k] for k, _, _ in want):   # same slicing
+            return self._slice(kind, key, spec, saved_sizes, coords)
+        full = self._slice(kind, key, spec, saved_sizes, {})
+        for k, dim, segments in want:
+            full = comm.shard(full, dim, coords[k], sizes[k], segments)
+        return full
+
+    def _slice(self, kind, key, spec, sizes, coords):
+        """The saved slice at `coords`; kinds missing from `coords` are assembled (comm.unshard, first kind outer)."""
+        todo = [s for s in spec["shards"] if s[0] not in coords]
+        if todo:
+            k, dim, segments = todo[0]
+            return comm.unshard([self._slice(kind, key, spec, sizes, {**coords, k: r}) for r in range(sizes[k])],
+                                dim, segments)
+        shape = list(spec["shape"])
+        for k, dim, _ in spec["shards"]:
+            shape[dim] //= sizes[k]
+        return self._get(_shard_file(kind, key, spec["shards"], coords), key, shape, spec["dtype"])
+
+    def _get(self, fname, key, shape, dtype):
+        path, crc = os.path.join(self.dir, fname), self.meta["files"].get(fname, {}).get(key)
+        if crc is None:
+            raise ValueError(f"{path}: tensor {key} is not listed in {META_NAME}")
+        try:
+            if fname not in self.handles:
+                self.handles[fname] = safe_open(path, framework="pt")
+            t = self.handles[fname].get_tensor(key)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: missing (holds tensor {key})") from None
+        except Exception as e:   # truncated, a broken header, the tensor absent, ...
+            raise ValueError(f"{path}: tensor {key}: unreadable ({e})") from None
+        if list(t.shape) != list(shape) or _dtype(t) != dtype:
+            raise ValueError(f"{path}: tensor {key} is {_dtype(t)} {list(t.shape)}, {META_NAME} says {dtype} "
+                             f"{list(shape)}")
+        if _crc(t) != crc:
+            raise ValueError(f"{path}: tensor {key}: checksum mismatch (the file was modified or is corrupt)")
+        return t
+
+
+def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, load_rng=True, finetune=False):
+    """Load a checkpoint of any layout into this rank's modules, AdamW state, RNG and data state -> counters
+    (FRESH with finetune: weights only). No collectives: each rank reads what it needs."""
+    r, rank, lay = Reader(path), dist.get_rank(), par.layout
+    say = (lambda msg: print(f"checkpoint: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    bad = [f"{k} is {getattr(r.cfg, k)!r} in the checkpoint, {getattr(cfg, k)!r} in this run"
+           for k in MODEL_FIELDS if cfg is not None and getattr(r.cfg, k) != getattr(cfg, k)]
+    if bad:
+        raise ValueError(f"{r.dir}/{CONFIG_NAME}: config mismatch: " + "; ".join(bad))
+    absent = [m for m in modules if not any(n.startswith(m + ".") for n in r.tensors)]
+    if absent and not finetune:
+        raise ValueError(f"{r.dir}: holds no {absent} tensors (--finetune starts such a module from its init)")
+    entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent]
+    extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - {e[0] for e in entries})
+    if extra:
+        raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
+    with torch.no_grad():
+        for name, t, _, coords, sizes in entries:
+            x = r.read(name, shards=getattr(t, "shards", ()), coords=coords, sizes=sizes)
+            if x.shape != t.shape or (x.dtype != t.dtype and not finetune):
+                raise ValueError(f"{r.dir}/{META_NAME}: tensor {name} ({r.tensors[name]['dtype']} "
+                                 f"{r.tensors[name]['shape']}) does not fit this run's {_dtype(t)} {list(t.shape)}")
+            t.copy_(x)
+    if opt is not None and load_optim and not finetune:
+        _load_optimizer(r, opt, entries, say)
+    saved = r.meta["layout"]
+    rank_state = None
+    if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune:
+        with open(os.path.join(r.dir, f"rank_{rank:05d}.json")) as f:
+            rank_state = json.load(f)
+    if load_rng and not finetune and rank_state is not None:
+        _set_rng_state(rank_state["rng"])
+    elif load_rng and not finetune:
+        say(f"saved under another layout ({r.meta.get('layout_text')}): RNG not restored (as --no-load-rng)")
+    if hasattr(data, "load_state_dict") and not finetune:   # the data loader's own position, if it keeps one
+        lanes = r.meta.get("data", {}).get("lanes") or [{}]
+        state = rank_state["data"] if rank_state is not None else lanes[0].get("state")
+        if state is not None:
+            data.load_state_dict(state)
+    say(f"loaded {r.dir} (step {r.meta['step']}{', weights only' if finetune else ''}) into {lay.describe()}"
+        + (f"; {absent} not in it: initialised as usual" if absent else ""))
+    return dict(FRESH) if finetune else dict(r.meta["counters"])
+
+
+def _load_optimizer(r, opt, entries, say):
+    by_id = {id(t): (name, coords, sizes) for name, t, _, coords, sizes in entries}
+    sd, fresh = opt.state_dict(), []
+    sd["state"] = {}
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        name, coords, sizes = by_id[id(p)]
+        if not r.tensors[name]["optim"]:
+            fresh.append(name)
+            continue
+        where = dict(kind="optim", shards=getattr(p, "shards", ()), coords=coords, sizes=sizes)
+        sd["state"][i] = {"step": r.read(name, ".step", "optim"), "exp_avg": r.read(name, ".exp_avg", **where),
+                          "exp_avg_sq": r.read(name, ".exp_avg_sq", **where)}
+    opt.load_state_dict(sd)
+    if fresh:
+        say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: fresh AdamW")
 
 
 def load_model(path):
-    """-> (Config, state dict) from a directory written by save_model."""
-    cfg_file, weights = os.path.join(path, CONFIG_NAME), os.path.join(path, WEIGHTS_NAME)
-    for f in (cfg_file, weights):
-        if not os.path.exists(f):
-            raise FileNotFoundError(f"{f}: missing (not a checkpoint written by save_model?)")
-    with open(cfg_file) as f:
-        values = json.load(f)
-    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(config.Config)})
-    if unknown:
-        raise ValueError(f"{cfg_file}: unknown config fields {unknown}")
-    cfg = config.Config(**values)   # fields added to Config later keep their defaults
-    config.check(cfg)
-    return cfg, load_file(weights)
+    """-> (Config, {full name: full tensor}) from any checkpoint (any layout, or save_model's)."""
+    r = Reader(path)
+    return r.cfg, {name: r.read(name) for name in r.tensors}
 
 
 def load_into(module, state_dict, source):
@@ -135,7 +494,7 @@ def export_hf(cfg, lm_state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, 
             tensors[k] = v
     os.makedirs(out_dir, exist_ok=True)
     torch_dtype = str(tensors["backbone.embeddings.weight"].dtype).removeprefix("torch.")
-    _write_json(os.path.join(out_dir, CONFIG_NAME), hf_config(cfg, torch_dtype))
+    _write(os.path.join(out_dir, CONFIG_NAME), hf_config(cfg, torch_dtype))
     _write_shards(tensors, out_dir, max_shard_bytes)
 
 
@@ -167,7 +526,7 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
     if len(shards) > 1:
         total = sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map = {k: name for keys, name in zip(shards, names) for k in keys}
-        _write_json(os.path.join(out_dir, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write(os.path.join(out_dir, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 # ---------------------------------------------------------------- HF import
@@ -265,33 +624,38 @@ def _stack_experts(raw, file_of, expected, num_experts):
     return out
 
 
-# ---------------------------------------------------------------- helpers and CLI
+def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None):
+    """export-hf: a checkpoint of any layout -> the language model as HF nemotron_h (export_hf) and the vision
+    tower + projector as OUT/vision.safetensors under HF Nemotron-VL names (radio.hf_name: `vision_model.…`,
+    `mlp1.{0,1,3}.weight`)."""
+    cfg, sd = load_model(path)
+    export_hf(cfg, language_state_dict(sd), out_dir, max_shard_bytes, dtype)
+    vision = {radio.hf_name(k[len("vision."):]): v.to(dtype) if dtype and v.is_floating_point() else v
+              for k, v in sd.items() if k.startswith("vision.")}
+    if vision:
+        _write(os.path.join(out_dir, VISION_NAME), vision)
 
-def _write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
 
+# ---------------------------------------------------------------- CLI
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Convert between our checkpoints and HF nemotron_h directories.")
+    p = argparse.ArgumentParser(description="Convert between our checkpoints and HF directories.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export-hf", help="our checkpoint dir -> HF dir (language model only for now)")
-    e.add_argument("--load", required=True)
+    e = sub.add_parser("export-hf", help="checkpoint (any layout) -> HF nemotron_h dir + vision.safetensors")
+    e.add_argument("--load", required=True, help="a save directory (uses `latest`) or a step directory")
     e.add_argument("--out", required=True)
     e.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast (default: keep dtypes)")
-    i = sub.add_parser("import-hf", help="HF dir (config.json + safetensors) -> our checkpoint dir")
+    i = sub.add_parser("import-hf", help="HF nemotron_h dir (config.json + safetensors) -> our checkpoint dir")
     i.add_argument("--hf", required=True)
     i.add_argument("--out", required=True)
     i.add_argument("--preset", default="nano", help="preset for the fields HF does not carry")
     args = p.parse_args(argv)
     if args.cmd == "export-hf":
-        cfg, sd = load_model(args.load)
-        dtype = getattr(torch, args.dtype) if args.dtype else None
-        export_hf(cfg, language_state_dict(sd), args.out, args.max_shard_bytes, dtype)
+        export(args.load, args.out, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None)
     else:
-        save_model(args.out, *import_hf(args.hf, args.preset))
+        cfg, sd = import_hf(args.hf, args.preset)
+        save_model(args.out, cfg, {LM_PREFIX + k: v for k, v in sd.items()})
     print(f"wrote {args.out}")
 
 

@@ -1,14 +1,39 @@
-"""Samples and micro-batches. A sample is a pure function of (seed, global sample index), so every rank of every
-layout can build exactly the samples it owns, and changing the layout never changes what a step trains on.
+"""Samples and micro-batches. A sample is a pure function of (data, seed, global sample index), so every rank of
+every layout builds exactly the samples it owns, and changing the layout never changes what a step trains on.
 
-Sample: input_ids [L], labels [L] (-100 = no loss), images: list of [3, H, W] float tensors, CLIP-normalised.
-Image i occupies h_i*w_i/4 consecutive placeholder tokens (image_token_id) in input_ids.
+Sample: input_ids [L], labels [L] (-100 = no loss, padding included), images: list of [3, h*p, w*p] float tensors,
+CLIP-normalised and already at their patch-aligned size (None where the rank asked for no pixels), seq_idx [L]:
+document id per token of a packed row (None when unpacked). Image i occupies h_i*w_i/4 consecutive placeholder
+tokens (image_token_id) in input_ids (vision.md §11.1).
+
+Real data (--data PATH or "0.7:a.jsonl,0.3:b.jsonl"): JSONL, one document per line, any of
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": "..."},
+                {"type": "image", "image": "path relative to the JSONL file, or absolute"}]}, ...]}
+  {"text": "..."}                                  BOS + text + EOS, all trained
+  {"input_ids": [...], "loss_mask": [...]}         as is; loss_mask[t] = 1 trains token t as a target (default all)
+Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, the k-th draw of s is document
+perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is the k-th row of a next-fit packing of
+s's permuted document stream. Token lengths come from a one-time index of every file, cached beside it.
 """
+import hashlib
+import json
+import os
+import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
+import parallel
 import radio
+
+# Special tokens of the chat template (ChatML as in Nemotron Nano v2 / Nano-VL): <|im_start|>role\n...<|im_end|>\n;
+# an image is <img> + <image> x M + </img> (vision.md §11.1). The byte tokenizer reserves all of them.
+SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<img>", "</img>")
+ROLES = ("system", "user", "assistant")
+MAX_LOGGED = 5  # bad lines whose reasons are printed per file under --skip-bad-samples
 
 
 @dataclass
@@ -16,7 +41,18 @@ class Sample:
     input_ids: torch.Tensor
     labels: torch.Tensor
     images: list
+    seq_idx: torch.Tensor = None
 
+
+class BadSample(ValueError):
+    """A bad input line; the message starts with file:line."""
+
+
+class _Bad(Exception):
+    """The reason a document is bad, before its file and line are known."""
+
+
+# ---------------------------------------------------------------- mock data
 
 class MockData:
     """Megatron-20L-style mock: one square image of cfg.mock_image_size px followed by random text tokens
@@ -24,12 +60,16 @@ class MockData:
 
     def __init__(self, cfg, seed):
         self.cfg, self.seed = cfg, seed
+        self.fingerprint = f"mock-{seed}"
         side = cfg.mock_image_size // cfg.vit_patch
         if cfg.mock_image_size % (2 * cfg.vit_patch):
             raise ValueError(f"mock_image_size {cfg.mock_image_size} must be a multiple of 2*patch = {2 * cfg.vit_patch}")
         self.image_tokens = side * side // 4
         if self.image_tokens >= cfg.seq_len:
             raise ValueError(f"mock image of {self.image_tokens} tokens does not fit seq_len {cfg.seq_len}")
+
+    def sample(self, index, pixels=True):
+        return self[index]
 
     def __getitem__(self, index):
         cfg = self.cfg
@@ -47,9 +87,473 @@ class MockData:
         return Sample(input_ids, labels, images)
 
 
+# ---------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    """Offline default: UTF-8 bytes are ids 0-255. <image> is cfg.image_token_id; the other specials count down
+    from vocab_size - 1 (skipping it), so they fit any vocab >= 264 (tiny, vocab 512: <pad> 510, <s> 509, </s> 508,
+    <|im_start|> 507, <|im_end|> 506, <img> 505, </img> 504, <image> 511)."""
+
+    def __init__(self, vocab_size, image_token_id):
+        top = [i for i in range(vocab_size - 1, 255, -1) if i != image_token_id][:len(SPECIALS)]
+        if image_token_id < 256 or len(top) < len(SPECIALS):
+            raise SystemExit(f"byte tokenizer: needs image_token_id >= 256 (got {image_token_id}) and room for "
+                             f"{len(SPECIALS)} specials above 255 in vocab_size {vocab_size}")
+        self.special = dict(zip(SPECIALS, top), **{"<image>": image_token_id})
+        self.fingerprint = f"bytes-{vocab_size}-{image_token_id}"
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        names, out, run = {v: k for k, v in self.special.items()}, [], bytearray()
+        for i in list(ids) + [None]:
+            if i is None or i in names or i > 255:
+                out.append(run.decode("utf-8", errors="replace"))
+                run = bytearray()
+                out.append(names.get(i, "" if i is None else f"<{i}>"))
+            else:
+                run.append(i)
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A HF tokenizer.json (optional `tokenizers` package). <|im_start|>, <|im_end|> and <image> must be in its
+    vocabulary, <image> at cfg.image_token_id (the id the model places image rows at). Missing <img>/</img> mean no
+    wrappers, a missing <s> no BOS; </s> falls back to <|endoftext|> or <|im_end|>, <pad> to </s>."""
+
+    def __init__(self, path, vocab_size, image_token_id):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(path)
+        found = {t: self.tok.token_to_id(t) for t in SPECIALS + ("<image>", "<|endoftext|>")}
+        self.special = {t: i for t, i in found.items() if i is not None}
+        missing = [t for t in ("<|im_start|>", "<|im_end|>", "<image>") if t not in self.special]
+        if missing:
+            raise SystemExit(f"tokenizer {path} lacks the special tokens {missing}")
+        if self.special["<image>"] != image_token_id:
+            raise SystemExit(f"tokenizer {path}: <image> is id {self.special['<image>']}, the model's image_token_id "
+                             f"is {image_token_id}; pass --image-token-id {self.special['<image>']}")
+        if self.tok.get_vocab_size() > vocab_size:
+            raise SystemExit(f"tokenizer {path} has {self.tok.get_vocab_size()} ids > vocab_size {vocab_size}")
+        self.special.setdefault("</s>", self.special.get("<|endoftext|>", self.special["<|im_end|>"]))
+        self.special.setdefault("<pad>", self.special["</s>"])
+        with open(path, "rb") as f:
+            self.fingerprint = "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(path, cfg):
+    return HFTokenizer(path, cfg.vocab_size, cfg.image_token_id) if path else \
+        ByteTokenizer(cfg.vocab_size, cfg.image_token_id)
+
+
+# ---------------------------------------------------------------- one document
+
+def _open_image(path, pixels, verify=False):
+    """-> ((H, W), uint8 [3, H, W] RGB or None). Without pixels only the header is read (and, when indexing, the
+    file verified: what one pass can afford); the size comes from the header either way, so all ranks agree."""
+    from PIL import Image
+    try:
+        with Image.open(path) as im:
+            size = (im.height, im.width)
+            if not pixels:
+                if verify:
+                    im.verify()
+                return size, None
+            rgb = np.asarray(im.convert("RGB"))
+    except FileNotFoundError:
+        raise _Bad(f"missing image {path}") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise _Bad(f"undecodable image {path}: {e}") from None
+    return size, torch.from_numpy(rgb.copy()).permute(2, 0, 1)
+
+
+class Encoder:
+    """Turns one JSONL object into (token ids, target mask, images) with the chat template and the token budget."""
+
+    def __init__(self, tok, cfg, train_on="assistant"):
+        if train_on not in ("assistant", "all"):
+            raise SystemExit(f"--train-on must be assistant or all, got {train_on!r}")
+        self.tok, self.cfg, self.train_on, self.sp = tok, cfg, train_on, tok.special
+        self.fingerprint = json.dumps([tok.fingerprint, train_on, cfg.seq_len, cfg.vit_patch, cfg.min_num_patches,
+                                       cfg.max_num_patches, cfg.vocab_size, cfg.image_token_id])
+
+    def pieces(self, obj):
+        """-> [(token ids, trained: bool or one per id) | (image path, trained)] in stream order."""
+        if not isinstance(obj, dict):
+            raise _Bad("a line must hold a JSON object")
+        sp, enc = self.sp, self.tok.encode
+        if "messages" in obj:
+            return self.chat(obj["messages"])
+        if "text" in obj:
+            if not isinstance(obj["text"], str) or not obj["text"]:
+                raise _Bad("'text' must be a non-empty string")
+            bos = [sp["<s>"]] if "<s>" in sp else []
+            return [(bos, False), (enc(obj["text"]) + [sp["</s>"]], True)]
+        if "input_ids" in obj:
+            ids, mask = obj["input_ids"], obj.get("loss_mask")
+            V = self.cfg.vocab_size
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < V for i in ids):
+                raise _Bad(f"'input_ids' must be a non-empty list of ids in [0, {V})")
+            if mask is None:
+                mask = [1] * len(ids)
+            if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+                raise _Bad("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
+            return [(ids, [bool(m) for m in mask])]
+        raise _Bad("expected a 'messages', 'text' or 'input_ids' field")
+
+    def chat(self, messages):
+        sp, enc, everything = self.sp, self.tok.encode, self.train_on == "all"
+        if not isinstance(messages, list) or not messages:
+            raise _Bad("'messages' must be a non-empty list")
+        out = []
+        for m in messages:
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise _Bad(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+            content = m.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            if not isinstance(parts, list):
+                raise _Bad(f"{role} content must be a string or a list of parts")
+            train = everything or role == "assistant"
+            out.append(([sp["<|im_start|>"]] + enc(role + "\n"), everything))   # headers: only under "all"
+            filled = False
+            for part in parts:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    out.append((enc(part["text"]), train))
+                    filled |= bool(part["text"].strip())
+                elif kind == "image" and isinstance(part.get("image"), str):
+                    out.append((part["image"], train))
+                    filled = True
+                else:
+                    raise _Bad(f"bad content part {str(part)[:80]} (expected type text or image)")
+            if role == "assistant" and not filled:      # would train the model to answer with nothing
+                raise _Bad("empty assistant turn")
+            out.append(([sp["<|im_end|>"]], train))      # trained: the model learns to end its turn
+            out.append((enc("\n"), everything))
+        return out
+
+    def encode(self, obj, base_dir, pixels, verify=False):
+        """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors, or None without pixels.
+        Images share the room the text leaves in seq_len (vision.md §10)."""
+        cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
+        pieces = self.pieces(obj)
+        wrap = ("<img>" in sp) + ("</img>" in sp)
+        paths = [os.path.join(base_dir, x) for x, _ in pieces if isinstance(x, str)]
+        n_text = sum(len(x) for x, _ in pieces if not isinstance(x, str)) + wrap * len(paths)
+        if any(cfg.image_token_id in x for x, _ in pieces if not isinstance(x, str)):
+            raise _Bad("text holds the image token; its placeholders would not match the images")
+        opened = [_open_image(path, pixels, verify) for path in paths]
+        grids = radio.compute_params([size for size, _ in opened], max(cfg.seq_len - n_text, 0),
+                                     cfg.min_num_patches, cfg.max_num_patches, p)
+        ids, mask, images, k = [], [], [], 0
+        for x, train in pieces:
+            if isinstance(x, str):
+                (th, tw), (_, u8) = grids[k], opened[k]
+                run = [sp["<img>"]] * ("<img>" in sp) + [cfg.image_token_id] * (th * tw // 4) + \
+                    [sp["</img>"]] * ("</img>" in sp)
+                ids += run
+                mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
+                if pixels:                   # normalise, then resize: linear, so the order does not matter
+                    images.append(F.interpolate(radio.normalize(u8)[None], size=(th * p, tw * p), mode="bicubic",
+                                                align_corners=False, antialias=True)[0])
+                k += 1
+            else:
+                ids += x
+                mask += train if isinstance(train, list) else [train] * len(x)
+        if len(ids) > cfg.seq_len:
+            raise _Bad(f"{len(ids)} tokens is longer than seq_len {cfg.seq_len}")
+        if not any(m and t != cfg.image_token_id for t, m in zip(ids[1:], mask[1:])):
+            raise _Bad("no tokens to train on")
+        return ids, mask, images if pixels else None
+
+
+def make_row(docs, cfg, pad_id, packed):
+    """Documents [(ids, mask, images)] -> one Sample of seq_len tokens. Labels never cross a document boundary
+    (each document's last token predicts nothing) and never ask for an image id (vision.md §11.1)."""
+    ids, labels, seq, images = [], [], [], []
+    for d, (t, m, ims) in enumerate(docs):
+        t, m = torch.tensor(t, dtype=torch.long), torch.tensor(m, dtype=torch.bool)
+        target = t[1:]
+        labels += [torch.where(m[1:] & (target != cfg.image_token_id), target, -100), torch.tensor([-100])]
+        ids.append(t)
+        seq.append(torch.full_like(t, d))
+        images = None if ims is None or images is None else images + ims
+    pad = cfg.seq_len - sum(len(t) for t in ids)
+    ids.append(torch.full((pad,), pad_id))
+    labels.append(torch.full((pad,), -100))
+    seq.append(torch.full((pad,), len(docs)))    # padding is a document of its own: nothing attends into it
+    return Sample(torch.cat(ids), torch.cat(labels), images, torch.cat(seq) if packed else None)
+
+
+# ---------------------------------------------------------------- indexing
+
+def index_file(path, encoder, skip_bad=False, verbose=True):
+    """One pass over a JSONL file: every good line's byte offset, line number and token length. Cached beside the
+    file, keyed by its size, mtime and everything that changes lengths or validity."""
+    st = os.stat(path)
+    key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
+                                     skip_bad]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
+    if os.path.exists(cache):
+        with np.load(cache) as z:
+            idx = {k: z[k] for k in z.files}
+    else:
+        base, rows, bad = os.path.dirname(os.path.abspath(path)), [], []
+        with open(path, "rb") as f, tqdm(total=st.st_size, unit="B", unit_scale=True, desc=f"indexing {path}",
+                                         disable=not verbose or st.st_size < 2 ** 24) as bar:
+            offset = 0
+            for lineno, raw in enumerate(f, 1):
+                bar.update(len(raw))
+                if raw.strip():
+                    try:
+                        ids, _, _ = encoder.encode(parse_line(raw), base, pixels=False, verify=True)
+                        rows.append((offset, lineno, len(ids)))
+                    except _Bad as e:
+                        if not skip_bad:
+                            raise BadSample(f"{path}:{lineno}: {e}") from None
+                        bad.append(f"{path}:{lineno}: {e}")
+                offset += len(raw)
+        a = np.array(rows, dtype=np.int64).reshape(-1, 3)
+        idx = dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], bad=np.array(bad, dtype=str))
+        try:                                         # atomic: ranks may index the same file at once
+            tmp = f"{cache}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                np.savez(f, **idx)
+            os.replace(tmp, cache)
+        except OSError:
+            pass                                     # read-only data directory: index again next time
+    if verbose and len(idx["bad"]):
+        print(f"{path}: skipped {len(idx['bad'])} bad line(s); first reasons:\n  " +
+              "\n  ".join(idx["bad"][:MAX_LOGGED]), flush=True)
+    if not len(idx["offsets"]):
+        raise SystemExit(f"{path}: no usable documents")
+    return idx
+
+
+def parse_line(raw):
+    try:
+        return json.loads(raw)
+    except ValueError as e:                          # JSONDecodeError and UnicodeDecodeError
+        raise _Bad(f"malformed JSON: {e}") from None
+
+
+def parse_blend(spec):
+    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b.jsonl" -> [(0.7, "a.jsonl"), (0.3, "b.jsonl")]."""
+    out = []
+    for item in spec.split(","):
+        m = re.match(r"^\s*([0-9.]+(?:[eE][-+]?\d+)?):(.+)$", item)
+        weight, path = (float(m.group(1)), m.group(2).strip()) if m else (1.0, item.strip())
+        if weight <= 0 or not path:
+            raise SystemExit(f"bad --data entry {item!r}: expected WEIGHT:PATH with WEIGHT > 0")
+        out.append((weight, path))
+    return out
+
+
+# ---------------------------------------------------------------- the dataset
+
+def _seed(*parts):
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+class Blend:
+    """Megatron's greedy blending: index i goes to the source furthest behind its share, argmax_s w_s (i+1) - n_s.
+    Deterministic, and every prefix is within one sample of the exact ratios. Built lazily in blocks."""
+
+    def __init__(self, weights):
+        self.w = np.asarray(weights, dtype=np.float64) / sum(weights)
+        self.counts = np.zeros(len(weights))
+        self.source, self.draw = np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+    def __call__(self, i):
+        """-> (source, how many earlier indices drew from that source)."""
+        if len(self.w) == 1:
+            return 0, i
+        while i >= len(self.source):
+            n, start = max(4096, len(self.source)), len(self.source)
+            src, draw = np.empty(n, np.int64), np.empty(n, np.int64)
+            for j in range(n):
+                s = int(np.argmax(self.w * (start + j + 1) - self.counts))
+                src[j], draw[j] = s, self.counts[s]
+                self.counts[s] += 1
+            self.source, self.draw = np.concatenate([self.source, src]), np.concatenate([self.draw, draw])
+        return int(self.source[i]), int(self.draw[i])
+
+
+class RealData:
+    """JSONL sources [(weight, path, index)] -> Samples by global index (see the module docstring)."""
+
+    def __init__(self, sources, encoder, seed, pack=False, name="train"):
+        self.sources, self.enc, self.seed, self.pack, self.cfg = sources, encoder, seed, pack, encoder.cfg
+        self.blend = Blend([w for w, _, _ in sources])
+        self.perms = {}
+        self.row_starts = [[0] for _ in sources]   # packed rows of source s: stream positions where each starts
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [name, seed, pack, encoder.fingerprint, [(w, os.path.abspath(p), int(idx["offsets"].sum()),
+                                                      len(idx["offsets"])) for w, p, idx in sources]]
+        ).encode()).hexdigest()[:16]
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+    def doc(self, s, position):
+        """Document (row in source s's index) at `position` of s's stream: epoch-wise seeded permutations."""
+        n = len(self.sources[s][2]["offsets"])
+        epoch = position // n
+        if (s, epoch) not in self.perms:
+            if len(self.perms) > 8:
+                self.perms.clear()
+            g = torch.Generator().manual_seed(_seed(self.seed, s, epoch))
+            self.perms[s, epoch] = torch.randperm(n, generator=g).numpy()
+        return int(self.perms[s, epoch][position % n])
+
+    def row(self, s, k):
+        """Documents of packed row k of source s: next-fit over the stream, so row k depends on nothing but k."""
+        starts, lengths = self.row_starts[s], self.sources[s][2]["lengths"]
+        while len(starts) <= k + 1:
+            pos, used = starts[-1], 0
+            while used + lengths[self.doc(s, pos)] <= self.cfg.seq_len:   # every document fits alone (indexing)
+                used += lengths[self.doc(s, pos)]
+                pos += 1
+            starts.append(pos)
+        return [self.doc(s, pos) for pos in range(starts[k], starts[k + 1])]
+
+    def load(self, s, d, pixels):
+        _, path, idx = self.sources[s]
+        with open(path, "rb") as f:
+            f.seek(int(idx["offsets"][d]))
+            raw = f.readline()
+        where = f"{path}:{int(idx['lines'][d])}"
+        try:
+            ids, mask, images = self.enc.encode(parse_line(raw), os.path.dirname(os.path.abspath(path)), pixels)
+        except _Bad as e:   # e.g. an image that passed the header check but does not decode
+            raise BadSample(f"{where}: {e}") from None
+        if len(ids) != idx["lengths"][d]:
+            raise BadSample(f"{where}: {len(ids)} tokens, the index says {idx['lengths'][d]}; file changed?")
+        return ids, mask, images
+
+    def sample(self, i, pixels=True):
+        """Sample i; without pixels (language-only ranks) images are not decoded and Sample.images is None."""
+        s, k = self.blend(i)
+        docs = self.row(s, k) if self.pack else [self.doc(s, k)]
+        return make_row([self.load(s, d, pixels) for d in docs], self.cfg, self.enc.sp["<pad>"], self.pack)
+
+
+def build(args, cfg, verbose=True):
+    """(train data, eval data or None) from the command line (--data, --eval-data, --eval-frac, --tokenizer,
+    --train-on, --pack, --skip-bad-samples)."""
+    if args.data == "mock":
+        return MockData(cfg, args.seed), MockData(cfg, args.seed + 1)
+    enc = Encoder(load_tokenizer(args.tokenizer, cfg), cfg, args.train_on)
+
+    def sources(spec):
+        return [(w, p, index_file(p, enc, args.skip_bad_samples, verbose)) for w, p in parse_blend(spec)]
+
+    train = sources(args.data)
+    if args.eval_data:
+        return RealData(train, enc, args.seed, args.pack), RealData(sources(args.eval_data), enc, args.seed,
+                                                                      args.pack, "eval")
+    if not args.eval_frac:
+        if getattr(args, "eval_every", 0):
+            raise SystemExit("--eval-every with real data needs --eval-data or --eval-frac")
+        return RealData(train, enc, args.seed, args.pack), None
+    if not 0 < args.eval_frac < 1:
+        raise SystemExit(f"--eval-frac must be in (0, 1), got {args.eval_frac}")
+    head, tail = [], []                              # the last eval_frac of every file is held out
+    for w, p, idx in train:
+        n = len(idx["offsets"])
+        cut = n - max(1, int(n * args.eval_frac))
+        if cut < 1:
+            raise SystemExit(f"{p}: {n} documents are too few to hold out --eval-frac {args.eval_frac}")
+        keys = ("offsets", "lines", "lengths")
+        head.append((w, p, {k: idx[k][:cut] for k in keys}))
+        tail.append((w, p, {k: idx[k][cut:] for k in keys}))
+    return RealData(head, enc, args.seed, args.pack), RealData(tail, enc, args.seed, args.pack, "eval")
+
+
+# ---------------------------------------------------------------- loading ahead, per rank
+
+def rank_offsets(lay, par):
+    """(positions inside a global micro-batch this rank builds, whether it needs pixels): its vision lane's and/or
+    language lane's samples (parallel.lane_samples). Only vision ranks decode images."""
+    own = set()
+    if par.in_vision:
+        own |= set(parallel.lane_samples(lay, "vision", par.vision.dp_rank))
+    if par.in_lm:
+        own |= set(parallel.lane_samples(lay, "lm", par.lm.dp_rank))
+    return sorted(own), par.in_vision
+
+
+class _Microbatches(torch.utils.data.Dataset):
+    def __init__(self, ds, offsets, pixels):
+        self.ds, self.offsets, self.pixels = ds, offsets, pixels
+
+    def __getitem__(self, first):
+        return {first + o: self.ds.sample(first + o, self.pixels) for o in self.offsets}
+
+
+class _From(torch.utils.data.Sampler):
+    def __init__(self, first, stride):
+        self.first, self.stride = first, stride
+
+    def __iter__(self):
+        i = self.first
+        while True:
+            yield i
+            i += self.stride
+
+
+def _identity(x):
+    return x
+
+
+class Loader:
+    """The samples one rank owns, one step at a time, built ahead by DataLoader workers (prefetch).
+
+    step(base, n_micro) -> {global index: Sample} for micro-batches starting at base, base + spm, ... Samples are
+    pure functions of their index, so workers never change what a step sees. Asked for a position it did not
+    expect (resume, a restarted eval), it restarts its stream there. state_dict() holds the next global sample
+    index: one number serves every language lane, each lane's own samples follow from it (lane_samples).
+    """
+
+    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, prefetch=4):
+        self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
+        self.num_workers, self.prefetch = num_workers, prefetch
+        self.next, self.it = 0, None
+
+    def step(self, base, n_micro):
+        if self.it is None or base != self.next:
+            self.it = iter(torch.utils.data.DataLoader(
+                _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None, sampler=_From(base, self.spm),
+                num_workers=self.num_workers, collate_fn=_identity,
+                prefetch_factor=self.prefetch if self.num_workers else None))
+        out = {}
+        for _ in range(n_micro):
+            out.update(next(self.it))
+        self.next = base + n_micro * self.spm
+        return out
+
+    def state_dict(self):
+        return {"next_sample": self.next, "fingerprint": self.ds.fingerprint}
+
+    def load_state_dict(self, state):
+        if state.get("fingerprint") != self.ds.fingerprint:
+            print(f"data: resuming on different data ({state.get('fingerprint')} -> {self.ds.fingerprint})",
+                  flush=True)
+        self.next, self.it = int(state["next_sample"]), None
+
+
+# ---------------------------------------------------------------- collate
+
 def collate_text(samples):
-    """-> input_ids [B, L], labels [B, L] (language side)."""
-    return torch.stack([s.input_ids for s in samples]), torch.stack([s.labels for s in samples])
+    """-> input_ids [B, L], labels [B, L], seq_idx [B, L] or None (no sample packed) (language side)."""
+    seq = None
+    if any(s.seq_idx is not None for s in samples):
+        seq = torch.stack([s.seq_idx if s.seq_idx is not None else torch.zeros_like(s.input_ids) for s in samples])
+    return torch.stack([s.input_ids for s in samples]), torch.stack([s.labels for s in samples]), seq
 
 
 def collate_images(samples, cfg):

@@ -505,6 +505,10 @@ class Bridge:
             rows.backward(grad)
         return grad
 
+    def release(self):
+        """End a forward-only micro-batch (evaluation) on either side: no gradient travels back."""
+        self._rows = self._x = self._pass = None
+
     # ---- language side ---------------------------------------------------------------------------------------
     def recv(self):
         """This language lane's rows [R_lane, D] (a leaf requiring grad, identical on every tp rank) and the row

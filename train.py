@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import config
 import data
 import model
@@ -53,7 +54,14 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", default="mock")
+    p.add_argument("--data", default="mock", help="mock | PATH.jsonl | weighted blend '0.7:a.jsonl,0.3:b.jsonl'")
+    p.add_argument("--eval-data", default=None, help="held-out JSONL (or blend) for --eval-every")
+    p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: offline byte-level tokenizer")
+    p.add_argument("--train-on", choices=["assistant", "all"], default="assistant", help="chat tokens with loss")
+    p.add_argument("--pack", action="store_true", help="pack documents into seq_len rows (document masks)")
+    p.add_argument("--skip-bad-samples", action="store_true", help="skip and count bad JSONL lines, not fail")
+    p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers; default 2 on GPU, 0 on CPU")
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3],
                    help="1: projector only, 2: vision tower frozen, 3: everything")
     p.add_argument("--train-layers", default=None, help="regex over vision.* / language.* names (overrides --stage)")
@@ -69,6 +77,15 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-iters", type=int, default=2, help="global micro-batches per evaluation")
     p.add_argument("--dry-run", action="store_true", help="build on the meta device, print sizes and memory, exit")
+    p.add_argument("--save", default=None, help="save directory: DIR/step_N/ + DIR/latest (see checkpoint.py)")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
+    p.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
+    p.add_argument("--load", default=None, help="resume from DIR (its `latest`) or DIR/step_N, any layout")
+    p.add_argument("--finetune", action="store_true", help="with --load: weights only (fresh optimizer, counters)")
+    p.add_argument("--no-load-optim", action="store_true")
+    p.add_argument("--no-load-rng", action="store_true")
+    p.add_argument("--eval-only", action="store_true", help="evaluate (the --load checkpoint), print JSON, exit")
     args, rest = p.parse_known_args(argv)
     overrides, i = {}, 0
     while i < len(rest):  # --field value | --field=value  ->  config overrides
@@ -149,6 +166,8 @@ def optimizer_for(modules, args, device):
 def main(argv=None):
     args, overrides = parse_args(argv)
     cfg = config.resolve(args.preset, overrides)
+    if args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
+        cfg = checkpoint.saved_config(args.load, overrides)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
@@ -174,8 +193,7 @@ def main(argv=None):
     vision = lm = None
     if par.in_vision:
         torch.manual_seed(args.seed + 10000)
-        with torch.device(device):
-            vision = VisionModel(cfg, par.vision.tp)
+        vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
         torch.manual_seed(args.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
         groups = {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp}
@@ -189,9 +207,11 @@ def main(argv=None):
     vparams = [p for p in vision.parameters()] if vision is not None else []
     lparams = [p for p in lm.parameters()] if lm is not None else []
     opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
-    if args.data != "mock":
-        raise SystemExit("--data: only 'mock' is implemented so far")
-    train_data, eval_data = data.MockData(cfg, args.seed), data.MockData(cfg, args.seed + 1)
+    train_data, eval_data = data.build(args, cfg, verbose=log_rank)
+    own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
+    workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
+    train_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels, workers)
+    eval_loader = data.Loader(eval_data, own, lay.samples_per_microbatch, pixels) if eval_data is not None else None
     bridge = parallel.Bridge(par, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -207,11 +227,13 @@ def main(argv=None):
             bridge.send(out, rows)
         if lm is not None:
             x, rows = bridge.recv()
-            ids, labels = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)])
+            ids, labels, seq_idx = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
+                                                                                                par.lm.dp_rank)])
             ids, labels = ids.to(device), labels.to(device)
+            seq_idx = seq_idx if seq_idx is None else seq_idx.to(device)  # packed rows: document ids
             with autocast:
                 h = model.place_images(lm.embed(ids), ids, x, rows, cfg.image_token_id)
-                s, _ = lm.loss_sum(lm(h), labels)
+                s, _ = lm.loss_sum(lm(h, seq_idx), labels)
             if train:
                 s.backward()
                 bridge.send_grad()
@@ -238,14 +260,29 @@ def main(argv=None):
         for m in modules.values():
             m.eval()
         total = torch.zeros((), device=device)
+        batch = eval_loader.step(0, args.eval_iters)  # {sample index: Sample}, this rank's only
         with torch.no_grad():
             for k in range(args.eval_iters):
-                total += microbatch(eval_data, k * lay.samples_per_microbatch, train=False)
-        n = parallel.global_token_count(par, lane_tokens(eval_data, 0, args.eval_iters))
+                total += microbatch(batch, k * lay.samples_per_microbatch, train=False)
+        n = parallel.global_token_count(par, lane_tokens(batch, 0, args.eval_iters))
         for m in modules.values():
             m.train()
         return reduce_loss(total) / max(n, 1), n
 
+    counters = dict(checkpoint.FRESH)  # step, good_steps, consumed_samples, skipped
+    if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
+        counters = checkpoint.load(args.load, par, modules, opt, cfg, train_loader, finetune=args.finetune,
+                                   load_optim=not (args.no_load_optim or args.eval_only), load_rng=not args.no_load_rng)
+    if args.eval_only:  # on the eval data, else on --data; the last line printed is the JSON result
+        if eval_loader is None:
+            eval_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels)
+        result = dict(zip(("eval_loss", "eval_tokens"), evaluate()))
+        if log_rank:
+            print(json.dumps(result), flush=True)
+        if own_group:
+            dist.destroy_process_group()
+        return [result], modules
+    saver = checkpoint.Saver(args.save, par, cfg, modules, opt, args, train_loader) if args.save else None
     stop = {"signal": None}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
@@ -261,23 +298,25 @@ def main(argv=None):
         if vision is not None else False))
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
                 None)
-    good_steps = consumed = skipped = 0
+    good_steps, consumed, skipped = counters["good_steps"], counters["consumed_samples"], counters["skipped"]
     history = []  # per step, on every rank: what tests and callers of main() inspect
     for m in modules.values():
         m.train()
-    for step in range(args.steps):
+    for step in range(counters["step"], args.steps):
         t0 = time.perf_counter()
-        lr = learning_rate(args, good_steps, consumed)
+        lr = learning_rate(args, good_steps, good_steps * args.global_batch)  # skipped steps advance neither
         if opt is not None:
             for g in opt.param_groups:
                 g["lr"] = lr
         base = step * args.global_batch
         n_micro = lay.num_microbatches
-        n_global = parallel.global_token_count(par, lane_tokens(train_data, base, n_micro))
-        moe.AuxLossInjector.scale = n_global / (n_micro * lay.lm_dp)  # grads are divided by N_global below
+        batch = train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
+        n_global = parallel.global_token_count(par, lane_tokens(batch, base, n_micro))
+        if lm is not None:
+            moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
         loss_sum = torch.zeros((), device=device)
         for k in range(n_micro):
-            loss_sum += microbatch(train_data, base + k * lay.samples_per_microbatch, train=True)
+            loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
         norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
         counts = None
         if ok:
@@ -328,10 +367,15 @@ def main(argv=None):
             eval_loss, eval_tokens = evaluate()
             if log_rank:
                 print(f"eval step {step + 1}: loss {eval_loss:.4f} over {eval_tokens} tokens", flush=True)
+        if saver is not None:  # --save-every, the last step and a stop signal save; also commits an async save
+            saver.after_step(step + 1, dict(step=step + 1, good_steps=good_steps, consumed_samples=consumed,
+                                            skipped=skipped), last=bool(stop_now.item()) or step + 1 == args.steps)
         if stop_now.item():
             if log_rank:
                 print(f"stopping after step {step + 1} on signal", flush=True)
             break
+    if saver is not None:
+        saver.close()  # waits for an async save in flight
     if metrics:
         metrics.close()
     if own_group:

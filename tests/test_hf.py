@@ -1,5 +1,6 @@
-"""Checkpoint format and HF nemotron_h export/import: round trips, file layout, errors, and logits parity with
-transformers' NemotronHForCausalLM (CPU, fp32)."""
+"""Full-tensor checkpoints (save_model / load_model) and HF nemotron_h export/import: round trips, file layout,
+errors, and logits parity with transformers' NemotronHForCausalLM (CPU, fp32). Sharded training checkpoints:
+test_checkpoint.py."""
 import json
 import os
 import subprocess
@@ -61,16 +62,20 @@ def assert_same_tensors(a, b):
 
 # ---------------------------------------------------------------- our format
 
-def test_save_load_model_generic_state_dict(tmp_path):
+def test_save_load_model_full_names(tmp_path):
     cfg, lm = build_lm()
-    sd = dict(lm.state_dict())
+    sd = {"language." + k: v for k, v in lm.state_dict().items()}
     assert any(k.endswith("e_score_correction_bias") for k in sd)          # persistent buffer: saved
     assert not any(k.endswith("tokens_per_expert") for k in sd)            # non-persistent counter: not saved
     sd["vision.blocks.0.weight"] = torch.randn(3, 4)                       # a VLM checkpoint holds more than the LM
     checkpoint.save_model(tmp_path, cfg, sd)
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors")) == [
+        "model.language.tp0.safetensors", "model.vision.tp0.safetensors"]
     cfg2, sd2 = checkpoint.load_model(tmp_path)
     assert cfg2 == cfg
     assert_same_tensors(sd, sd2)
+    with pytest.raises(ValueError, match=r"backbone\.embeddings\.weight: checkpoint names start with 'vision.'"):
+        checkpoint.save_model(tmp_path / "bare", cfg, lm.state_dict())
     lm_sd = checkpoint.language_state_dict(sd2)
     assert sorted(lm_sd) == sorted(lm.state_dict())
     lm2 = model.LanguageModel(cfg2)
@@ -80,10 +85,10 @@ def test_save_load_model_generic_state_dict(tmp_path):
 
 def test_errors_name_file_and_tensor(tmp_path):
     cfg, lm = build_lm()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match="nowhere/meta.json: missing"):
         checkpoint.load_model(tmp_path / "nowhere")
-    checkpoint.save_model(tmp_path, cfg, lm.state_dict())
-    _, sd = checkpoint.load_model(tmp_path)
+    checkpoint.save_model(tmp_path, cfg, {"language." + k: v for k, v in lm.state_dict().items()})
+    sd = checkpoint.language_state_dict(checkpoint.load_model(tmp_path)[1])
     wider = model.LanguageModel(config.resolve("tiny", {"hidden_size": 96}))
     with pytest.raises(ValueError, match=r"ckpt/x: tensor backbone\.embeddings\.weight has shape \[512, 64\]"):
         checkpoint.load_into(wider, sd, "ckpt/x")
@@ -248,14 +253,18 @@ def test_import_of_transformers_save_pretrained(tmp_path):
 
 def test_cli_export_then_import(tmp_path):
     cfg, lm = build_lm()
-    sd = dict(lm.state_dict())
-    sd["vision.patch_embed.weight"] = torch.randn(4, 4)      # not part of the language export
+    sd = {"language." + k: v for k, v in lm.state_dict().items()}
+    sd["vision.embedder.weight"] = torch.randn(4, 4)          # exported apart, under its HF Nemotron-VL name
     checkpoint.save_model(tmp_path / "ckpt", cfg, sd)
     run = lambda *a: subprocess.run([sys.executable, "checkpoint.py", *a], cwd=ROOT, check=True,
                                     capture_output=True, text=True)
     run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--max-shard-bytes", "50000")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    vision = load_file(tmp_path / "hf" / checkpoint.VISION_NAME)
+    assert_same_tensors(vision, {"vision_model.radio_model.model.patch_generator.embedder.weight":
+                                 sd["vision.embedder.weight"]})
     run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
     cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
-    assert_same_tensors(dict(lm.state_dict()), sd2)
+    assert_same_tensors(dict(lm.state_dict()), checkpoint.language_state_dict(sd2))
+    assert all(k.startswith("language.") for k in sd2)
     assert all(getattr(cfg2, f) == getattr(cfg, f) for f in checkpoint.LANGUAGE_FIELDS)

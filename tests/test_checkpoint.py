@@ -1,0 +1,238 @@
+"""Checkpoints on CPU gloo ranks: bit-exact resume (sync; async + SIGTERM), crash safety, resharding (tp2 ep2 on 4
+ranks -> 1 process), errors that name file and tensor, export of a trained sharded checkpoint, --eval-only."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoint
+import comm
+import config
+import model
+import parallel
+import radio
+import train
+from tests.spawn import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# --lr-decay-iters 6: a 3-step run follows the LR schedule of the 6-step one
+TINY = ["--preset", "tiny", "--global-batch", "2", "--lr-decay-iters", "6"]
+SHARDED = TINY + ["--colocated", "--lm-tp", "2", "--lm-ep", "2"]   # vision tp2 dp2, language tp2 dp2 ep2 edp2
+
+
+def _train(rank, world, argv, sigterm_at_step=None):
+    """train.main in a gloo child -> (losses, {full name: tensor}). sigterm_at_step: rank 0 gets SIGTERM during
+    that step (after its backward), so every rank stops after it and saves."""
+    if sigterm_at_step and rank == 0:
+        finalize, calls = parallel.finalize_gradients, []
+
+        def finalize_then_signal(*a, **k):
+            calls.append(1)
+            if len(calls) == sigterm_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return finalize(*a, **k)
+        parallel.finalize_gradients = finalize_then_signal
+    history, modules = train.main(argv)
+    return [h["loss"] for h in history], {f"{k}.{n}": t.detach().clone() for k, m in modules.items()
+                                          for n, t in m.state_dict().items()}
+
+
+def assert_same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return run_distributed(_train, 4, TINY + ["--steps", "6"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async_sigterm"])
+def test_resume_is_bit_exact(tmp_path, straight, mode):
+    save = str(tmp_path / "ckpt")
+    if mode == "sync":
+        first = run_distributed(_train, 4, TINY + ["--steps", "3", "--save", save, "--save-every", "1",
+                                                   "--keep-last", "2"])
+    else:   # a signal during step 3 of a 6-step run: the loop stops after it and saves (in a thread)
+        first = run_distributed(_train, 4, TINY + ["--steps", "6", "--save", save, "--save-every", "2",
+                                                   "--async-save"], 3)
+    assert sorted(os.listdir(save)) == ["latest", "step_00000002", "step_00000003"]
+    assert open(os.path.join(save, "latest")).read().strip() == "step_00000003"
+    step_dir = os.path.join(save, "step_00000003")
+    meta = json.load(open(os.path.join(step_dir, "meta.json")))
+    assert meta["counters"] == {"step": 3, "good_steps": 3, "consumed_samples": 6, "skipped": 0}
+    assert [lane["next_sample"] for lane in meta["data"]["lanes"]] == [6, 7]
+    assert sorted(f for f in os.listdir(step_dir) if f.endswith(".safetensors")) == [
+        f"{kind}.{shard}.safetensors" for kind in ("model", "optim")
+        for shard in ("language.ep0-etp0", "language.tp0", "vision.tp0")]
+    assert sorted(f for f in os.listdir(step_dir) if f.startswith("rank_")) == [f"rank_{r:05d}.json" for r in range(4)]
+    optim = load_file(os.path.join(step_dir, "optim.vision.tp0.safetensors"))   # stage 2: only the projector trains
+    assert optim and all(k.startswith("vision.mlp1.") for k in optim)
+
+    if mode == "sync":   # hetero (vision ranks 0-1, language ranks 2-3) -> one colocated process
+        (counters, full, _), = run_distributed(_load_one_process, 1, save, 2)
+        assert counters == meta["counters"]
+        assert_same(full, {**first[0][1], **first[2][1]})
+
+    resumed = run_distributed(_train, 4, TINY + ["--steps", "6", "--load", save])   # a fresh process group
+    for rank in range(4):
+        losses, weights = straight[rank]
+        assert first[rank][0][:3] + resumed[rank][0] == losses                       # per-step losses, exactly
+        assert_same(weights, resumed[rank][1])                                       # final weights, bit-exact
+
+
+CRASH = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+import checkpoint, train
+write, calls = checkpoint._write, []
+def hang_midway(path, obj):
+    if "step_00000002" in path and path.endswith(".safetensors"):
+        calls.append(path)
+        if len(calls) == 2:              # the first file of the save is written, the second never is
+            open({marker!r}, "w").close()
+            time.sleep(600)
+    write(path, obj)
+checkpoint._write = hang_midway
+train.main({argv!r})
+"""
+
+
+def test_killed_save_leaves_latest_at_previous_checkpoint(tmp_path):
+    save, marker = str(tmp_path / "ckpt"), str(tmp_path / "hanging")
+    argv = TINY + ["--steps", "4", "--save", save, "--save-every", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", CRASH.format(root=ROOT, marker=marker, argv=argv)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.exists(marker), "the save never reached the hanging write"
+    assert open(os.path.join(save, "latest")).read().strip() == "step_00000001"
+    assert not os.path.exists(os.path.join(save, "step_00000002", "meta.json"))
+    with pytest.raises(FileNotFoundError, match=r"step_00000002/meta\.json: missing"):
+        checkpoint.resolve(os.path.join(save, "step_00000002"))
+    (losses, _), = run_distributed(_train, 1, TINY + ["--steps", "2", "--load", save])
+    assert len(losses) == 1
+
+
+# ---------------------------------------------------------------- resharding
+
+def _grid_coords(lay, rank):
+    """{"vision": {tp}, "language": {tp, ep, etp}} of a rank of a colocated layout."""
+    lm, ex = parallel.lm_grid(lay).coords(rank), parallel.expert_grid(lay).coords(rank)
+    return {"vision": {"tp": parallel.vision_grid(lay).coords(rank)["tp"]},
+            "language": {"tp": lm["tp"], "ep": ex["ep"], "etp": ex["etp"]}}
+
+
+def _load_one_process(rank, world, path, stage):
+    cfg = config.resolve("tiny")
+    par = parallel.setup(parallel.plan_layout(cfg, 1, 1, 4), cfg)
+    modules = {"vision": radio.VisionModel(cfg), "language": model.LanguageModel(cfg)}
+    model.set_trainable(modules, stage)
+    opt = train.optimizer_for(modules.values(), train.parse_args([])[0], torch.device("cpu"))
+    counters = checkpoint.load(path, par, modules, opt, cfg)
+    names = {id(p): f"{k}.{n}" for k, m in modules.items() for n, p in m.named_parameters()}
+    return (counters, {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()},
+            {names[id(p)]: s for p, s in opt.state.items()})
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """2 steps under colocated tp2 ep2 on 4 ranks, saved: (checkpoint dir, per-rank weights)."""
+    save = str(tmp_path_factory.mktemp("sharded") / "ckpt")
+    return save, run_distributed(_train, 4, SHARDED + ["--steps", "2", "--save", save])
+
+
+def test_reshard_tp2_ep2_to_one_process(sharded, tmp_path):
+    save, ranks = sharded
+    assert sorted(f for f in os.listdir(os.path.join(save, "step_00000002")) if f.startswith("model.")) == [
+        "model.language.ep0-etp0.safetensors", "model.language.ep1-etp0.safetensors",
+        "model.language.tp0.safetensors", "model.language.tp1.safetensors",
+        "model.vision.tp0.safetensors", "model.vision.tp1.safetensors"]
+    # stage 2 checkpoint into a stage 3 run: the vision tower has no saved AdamW state and starts fresh
+    (counters, full, state), = run_distributed(_load_one_process, 1, save, 3)
+    assert counters["step"] == 2 and counters["consumed_samples"] == 4
+    cfg = config.resolve("tiny")
+    lay = parallel.plan_layout(cfg, 4, 1, 4, lm_tp=2, lm_ep=2, colocated=True)
+    sizes = {"vision": {"tp": 2}, "language": {"tp": 2, "ep": 2, "etp": 1}}
+    specs = {f"{k}.{n}": getattr(t, "shards", ()) for k, m in (("vision", radio.VisionModel(cfg)),
+             ("language", model.LanguageModel(cfg))) for n, t in m.state_dict(keep_vars=True).items()}
+    for rank, (_, local) in enumerate(ranks):   # the one-process tensors, resharded, are each rank's tensors
+        coords = _grid_coords(lay, rank)
+        for name, t in local.items():
+            module = name.split(".")[0]
+            expected = full[name]
+            for kind, dim, segments in specs[name]:
+                expected = comm.shard(expected, dim, coords[module][kind], sizes[module][kind], segments)
+            assert torch.equal(expected, t), (rank, name)
+    assert any(k.endswith("e_score_correction_bias") and full[k].abs().max() > 0 for k in full)
+    assert "vision.blocks.0.attn.qkv.weight" not in state and state["vision.mlp1.1.weight"]["step"] == 2
+    assert state["language.backbone.layers.1.mixer.experts.up_proj"]["exp_avg"].shape == (8, 32, 64)
+
+    # continuing on 1 process tracks the 4-rank run (same math, other reduction order: not bit-exact)
+    four = run_distributed(_train, 4, SHARDED + ["--steps", "3", "--load", save])
+    (one, weights), = run_distributed(_train, 1, TINY + ["--steps", "3", "--load", save])
+    assert len(one) == 1 and abs(one[0] - four[0][0][0]) < 1e-5
+    assert (weights["language.lm_head.weight"][:256] - four[0][1]["language.lm_head.weight"]).abs().max() < 1e-6
+
+
+def test_errors_name_file_and_tensor(sharded, tmp_path):
+    save, _ = sharded
+    src = os.path.join(save, "step_00000002")
+
+    def copy():
+        dst = str(tmp_path / f"copy{len(os.listdir(tmp_path))}")
+        shutil.copytree(src, dst)
+        return dst
+    bad = copy()
+    path = os.path.join(bad, "model.language.ep1-etp0.safetensors")
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match=r"ep1-etp0\.safetensors: tensor language\.\S+: unreadable \(.*incomplete"):
+        checkpoint.load_model(bad)
+    bad = copy()
+    path = os.path.join(bad, "model.language.tp1.safetensors")
+    with open(path, "r+b") as f:   # one flipped byte in the last tensor's data
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(ValueError, match=r"model\.language\.tp1\.safetensors: tensor language\.\S+: checksum"):
+        checkpoint.load_model(bad)
+    bad = copy()
+    os.remove(os.path.join(bad, "model.vision.tp1.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"model\.vision\.tp1\.safetensors: missing \(holds tensor vision"):
+        checkpoint.load_model(bad)
+    with pytest.raises(RuntimeError, match=r"config\.json: config mismatch: hidden_size is 64 in the checkpoint, 96"):
+        run_distributed(_train, 1, TINY + ["--steps", "3", "--load", save, "--hidden-size", "96"])
+
+
+def test_export_hf_of_sharded_checkpoint(sharded, tmp_path):
+    save, _ = sharded
+    out = str(tmp_path / "hf")
+    checkpoint.main(["export-hf", "--load", save, "--out", out])
+    cfg, full = checkpoint.load_model(save)
+    vision = load_file(os.path.join(out, checkpoint.VISION_NAME))
+    assert "vision_model.radio_model.model.patch_generator.embedder.weight" in vision
+    assert {"mlp1.0.weight", "mlp1.1.weight", "mlp1.3.weight"} <= set(vision)
+    assert_same(vision, {radio.hf_name(k[len("vision."):]): v for k, v in full.items() if k.startswith("vision.")})
+    cfg2, lm = checkpoint.import_hf(out)
+    assert_same(lm, checkpoint.language_state_dict(full))
+    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in checkpoint.LANGUAGE_FIELDS)
+
+
+def test_eval_only_prints_json_last(sharded):
+    save, _ = sharded   # the tiny preset's model, read from the checkpoint's config.json (no --preset given)
+    out = subprocess.run([sys.executable, "train.py", "--eval-only", "--load", save], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result) == {"eval_loss", "eval_tokens"} and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20

@@ -1,0 +1,392 @@
+"""train.py end to end on gloo (spec parallel.md §6-7, §9): learning, determinism, reference equivalence of hetero /
+colocated / tp / ep layouts against one process, text-only mixing, LR schedules, skip-on-inf, step consensus,
+layout errors and the dry run. Every distributed run is a forked gloo group (tests/spawn.py) calling train.main.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+import config
+import data
+import model
+import parallel
+import train
+from tests.spawn import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_imports():
+    """Lazy imports that train.main triggers (sympy through skip_init, torch._dynamo through the optimizer) cost
+    seconds; done once here, every forked child inherits them instead of importing them again, all at once."""
+    torch.nn.utils.skip_init(torch.nn.Linear, 1, 1)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+# ---------------------------------------------------------------- helpers (run inside the gloo children)
+
+def full_state(modules, grads=None):
+    """{"vision.<name>" / "language.<name>": full tensor} of every parameter this rank holds (or of its gradient,
+    `grads` = {id(param): tensor}), tp / ep / etp shards all-gathered over their groups and reassembled with
+    comm.unshard; with the parameters also the expert-bias buffers."""
+    out = {}
+    for prefix, m in modules.items():
+        groups = {"tp": m.tp_group}
+        moe_layer = next((x for x in m.modules() if hasattr(x, "ep_group")), None)
+        if moe_layer is not None:
+            groups.update(ep=moe_layer.ep_group, etp=moe_layer.etp_group)
+        for name, p in m.named_parameters():
+            t = p.detach() if grads is None else grads.get(id(p), torch.zeros_like(p))
+            for kind, dim, segments in getattr(p, "shards", ()):
+                g = groups.get(kind)
+                if comm.group_size(g) > 1:
+                    parts = [torch.empty_like(t) for _ in range(comm.group_size(g))]
+                    dist.all_gather(parts, t.contiguous(), group=g)
+                    t = comm.unshard(parts, dim, segments)
+            out[f"{prefix}.{name}"] = t.clone()
+        for name, b in m.named_buffers():
+            if grads is None and name.endswith("e_score_correction_bias"):
+                out[f"{prefix}.{name}"] = b.clone()
+    return out
+
+
+def _train(rank, world, argv):
+    """train.main in this gloo child -> (history, full weights after the run, full gradients of the last step as
+    finalize_gradients left them: DP-reduced, divided by N_global, clipped)."""
+    grads = {}
+    real = parallel.finalize_gradients
+
+    def spy(par, vparams, lparams, *args, **kwargs):
+        norm, ok = real(par, vparams, lparams, *args, **kwargs)
+        grads.clear()
+        grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
+        return norm, ok
+
+    parallel.finalize_gradients = spy      # this forked child only
+    try:
+        history, modules = train.main(list(argv))
+    finally:
+        parallel.finalize_gradients = real
+    return history, full_state(modules), full_state(modules, grads)
+
+
+def _train_twice(rank, world, argv):
+    """Two runs in the same processes: nothing may leak from the first into the second."""
+    return train.main(list(argv))[0], train.main(list(argv))[0]
+
+
+def run(argv, world):
+    return run_distributed(_train, world, argv, timeout=60.0)
+
+
+def assert_states_match(got, ref, where, atol=1e-5, rtol=0.0):
+    """Every tensor of `got` equals the reference's within atol + rtol * max|reference tensor|."""
+    assert got, f"{where}: nothing to compare"
+    for k, t in got.items():
+        assert k in ref, f"{where}: {k} not in the reference"
+        assert t.shape == ref[k].shape, (where, k, t.shape, ref[k].shape)
+        err, scale = (t - ref[k]).abs().max().item(), ref[k].abs().max().item()
+        assert err <= atol + rtol * scale, f"{where}: {k} differs from one process by {err:.3g} (max {scale:.3g})"
+
+
+def assert_covers(results, ref):
+    """Together the ranks hold (full) every reference tensor, and nothing else."""
+    keys = set().union(*(state.keys() for _, state, _ in results))
+    assert keys == set(ref), sorted(set(ref) ^ keys)
+
+
+def assert_step_matches(results, reference, where):
+    """Loss, grad norm, reduced + normalised + clipped gradients, updated weights and expert biases of one step
+    on every rank == the world-1 run's (§9.15, §9.16, §9.18)."""
+    ref_hist, ref_state, ref_grads = reference
+    assert_covers(results, ref_state)
+    (r,) = ref_hist
+    for rank, (hist, state, grads) in enumerate(results):
+        (h,) = hist
+        assert h["ok"] and h["lr"] == r["lr"], (where, rank, h)
+        assert abs(h["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"], (where, rank, h, r)
+        if h["loss"] is not None:
+            assert abs(h["loss"] - r["loss"]) <= 1e-5, (where, rank, h["loss"], r["loss"])
+        assert_states_match(grads, ref_grads, f"{where} rank {rank} gradient", atol=1e-9, rtol=1e-5)
+        assert_states_match(state, ref_state, f"{where} rank {rank}", atol=1e-5)
+
+
+# ---------------------------------------------------------------- one-process references (forked, world 1)
+
+GB = 4                                                  # global batch of every equivalence run
+ONE_STEP = ["--preset", "tiny", "--steps", "1", "--global-batch", str(GB), "--stage", "3", "--lr", "3e-4",
+            "--lr-schedule", "constant"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(history, weights, gradients) of one --stage 3 step of the world-1 run, checked against its initial
+    weights: every parameter has a gradient, the weights moved by about lr, every expert bias took its step."""
+    (init,) = run(ONE_STEP + ["--steps", "0"], 1)                  # the later --steps wins
+    (after,) = run(ONE_STEP, 1)
+    hist, state, grads = after
+    moved = max((state[k] - init[1][k]).abs().max().item() for k in grads)
+    assert 1e-4 < moved < 1e-3, moved                              # the step really moved the weights (Adam: ~lr)
+    biases = [v for k, v in state.items() if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 3 and all((b.abs() == 1e-3).sum() >= 4 for b in biases), biases  # one bias step each
+    assert all(g.abs().max() > 0 for g in grads.values())          # stage 3: every parameter has a gradient
+    return after
+
+
+# ---------------------------------------------------------------- 1. learning, determinism, hetero == one process
+
+def test_tiny_hetero_learns_is_deterministic_and_matches_one_process():
+    argv = ["--preset", "tiny", "--steps", "5", "--global-batch", str(GB), "--mock-num-samples", str(GB),
+            "--lr", "3e-3", "--lr-schedule", "constant"]
+    runs = run_distributed(_train_twice, 4, argv, timeout=60.0)     # tiny reference layout at world 4
+    (ref,) = run_distributed(lambda rank, world: train.main(argv)[0], 1, timeout=60.0)  # one process
+    first, second = runs[2]                                         # rank 2: language lane 0
+    losses = [h["loss"] for h in first]
+    assert all(h["ok"] for h in first) and [h["lr"] for h in first] == [3e-3] * 5
+    assert losses[-1] < losses[0] - 0.3, losses                     # one repeated batch: it memorises
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert [h["loss"] for h in second] == losses                    # same seed: bit-identical, every step
+    for rank, (h1, h2) in enumerate(runs):
+        assert [h["grad_norm"] for h in h1] == [h["grad_norm"] for h in first], rank
+        assert [h["grad_norm"] for h in h2] == [h["grad_norm"] for h in first], rank
+        assert [h["loss"] for h in h1] == (losses if rank >= 2 else [None] * 5), rank
+    for a, b in zip(losses, [h["loss"] for h in ref]):
+        assert abs(a - b) <= 1e-5, (losses, [h["loss"] for h in ref])
+    for a, b in zip(first, ref):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (first, ref)
+
+
+# ---------------------------------------------------------------- 2. reference equivalence (§9.15, §9.16)
+
+LAYOUTS = {  # name: (world, grid flags, language ranks)
+    "hetero v-dp2 + lm-tp2-dp2": (6, ["--vision-dp", "2", "--lm-tp", "2", "--lm-dp", "2"], 4),
+    "fan-out v-dp1 -> lm-dp2": (3, ["--vision-dp", "1", "--lm-dp", "2"], 2),
+    "fan-in v-dp2 -> lm-dp1": (3, ["--vision-dp", "2", "--lm-dp", "1", "--micro-batch", "2"], 1),
+    "colocated dp2 ep2": (2, ["--colocated", "--lm-ep", "2"], 2),
+    "hetero v-tp2 + lm-tp2-ep2": (4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-dp", "1",
+                                      "--lm-ep", "2"], 2),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_one_step_matches_one_process(name, reference):
+    world, flags, lm_ranks = LAYOUTS[name]
+    results = run(ONE_STEP + flags, world)
+    assert sum(h[0]["loss"] is not None for h, _, _ in results) == lm_ranks
+    assert_step_matches(results, reference, name)
+
+
+# ---------------------------------------------------------------- 3. text-only samples: 0-row payloads (§5.6, §9.13)
+
+def test_text_only_mixing_matches_one_process():
+    """Seed 15, half text-only: samples 0-3 are [text, text, image, text]. Global micro-batch 0 is text only (both
+    vision lanes send 0 rows); in micro-batch 1 vision lane 0 sends one image, lane 1 (rank 1) 0 rows again, so
+    vision rank 1 encodes nothing in the whole step and still takes part in the reduction."""
+    argv = ONE_STEP + ["--mock-text-only-frac", "0.5", "--seed", "15"]
+    cfg = config.resolve("tiny", {"mock_text_only_frac": "0.5"})
+    assert [len(data.MockData(cfg, 15)[i].images) for i in range(GB)] == [0, 0, 1, 0]
+    (reference,) = run(argv, 1)
+    _, _, ref_grads = reference
+    assert ref_grads["vision.blocks.0.attn.qkv.weight"].abs().max() > 0       # the one image trains the tower
+    results = run(argv, 4)                                                      # tiny reference layout, hetero
+    assert [h[0]["loss"] is None for h, _, _ in results] == [True, True, False, False]
+    assert_step_matches(results, reference, "text-only mix")
+
+
+# ---------------------------------------------------------------- 4. LR schedules (closed form, by hand)
+
+def lr_at(flags, it, samples=0):
+    return train.learning_rate(train.parse_args(flags)[0], it, samples)
+
+
+def test_cosine_schedule():
+    f = ["--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "4", "--lr-decay-iters", "20", "--steps", "30"]
+    expected = {0: 2.5e-4,                  # warmup: lr * (it + 1) / 4
+                1: 5.0e-4,
+                3: 1.0e-3,                  # last warmup step reaches the peak
+                4: 1.0e-3,                  # cosine progress 0
+                8: 8.5501786e-4,            # progress 1/4: 1e-5 + 0.99e-3 * 0.5 * (1 + cos(pi/4)) = 1e-5 + 0.99e-3 * 0.8535534
+                12: 5.05e-4,                # progress 1/2: 1e-5 + 0.99e-3 / 2
+                16: 1.5498214e-4,           # progress 3/4: 1e-5 + 0.99e-3 * 0.1464466
+                20: 1e-5, 25: 1e-5}         # decay done: min_lr
+    for it, lr in expected.items():
+        assert lr_at(f, it) == pytest.approx(lr, rel=1e-7, abs=1e-12), it
+    assert lr_at(["--lr", "1e-3", "--min-lr", "0", "--steps", "10"], 5) == pytest.approx(5e-4)  # decay: --steps
+
+
+def test_wsd_schedule():
+    f = ["--lr-schedule", "wsd", "--lr", "1e-3", "--min-lr", "0", "--lr-warmup-iters", "2", "--steps", "100",
+         "--lr-wsd-decay-iters", "20"]
+    expected = {"linear": {0: 5e-4, 1: 1e-3, 50: 1e-3, 80: 1e-3, 85: 7.5e-4, 90: 5e-4, 95: 2.5e-4, 100: 0.0},
+                "minus_sqrt": {80: 1e-3, 85: 5e-4,             # 1 - sqrt(1/4)
+                               95: 1.339746e-4,                 # 1 - sqrt(3/4) = 1 - 0.8660254
+                               100: 0.0}}
+    for style, points in expected.items():
+        for it, lr in points.items():
+            assert lr_at(f + ["--lr-wsd-decay-style", style], it) == pytest.approx(lr, rel=1e-6, abs=1e-12), (style, it)
+    default = f[:-2]                        # default tail: (100 - 2) // 10 = 9 steps, from step 91
+    assert lr_at(default, 91) == pytest.approx(1e-3)
+    assert lr_at(default, 94) == pytest.approx(1e-3 * 6 / 9)
+    wsd_min = f + ["--min-lr", "1e-4"]      # min + (lr - min) * (1 - f)
+    assert lr_at(wsd_min, 90) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+
+
+def test_sample_based_schedule():
+    f = ["--lr", "1e-3", "--min-lr", "0", "--train-samples", "1000", "--lr-warmup-samples", "100",
+         "--lr-decay-samples", "900", "--global-batch", "10"]
+    expected = {0: 1e-5, 49: 5e-4,          # warmup: lr * (samples + 1) / 100
+                100: 1e-3,                  # cosine from here to sample 900
+                300: 8.5355339e-4,          # progress 1/4: 0.5 * (1 + cos(pi/4))
+                500: 5e-4, 900: 0.0, 950: 0.0}
+    for samples, lr in expected.items():
+        assert lr_at(f, 0, samples) == pytest.approx(lr, rel=1e-7, abs=1e-12), samples
+        assert lr_at(f, 37, samples) == lr_at(f, 0, samples)   # the iteration count plays no part
+    no_decay = f[:-4] + f[-2:]              # decay ends at --train-samples
+    assert lr_at(no_decay, 0, 550) == pytest.approx(5e-4)
+    wsd = ["--lr-schedule", "wsd", "--lr", "1e-3", "--min-lr", "0", "--train-samples", "1000",
+           "--lr-wsd-decay-samples", "200"]
+    assert lr_at(wsd, 0, 800) == pytest.approx(1e-3) and lr_at(wsd, 0, 900) == pytest.approx(5e-4)
+
+
+# ---------------------------------------------------------------- 5. a skipped step changes nothing
+
+def _train_with_snapshots(rank, world, argv):
+    """train.main, with every parameter of this rank recorded as it enters each step's finalize_gradients."""
+    snapshots = []
+    real = parallel.finalize_gradients
+
+    def spy(par, vparams, lparams, *args, **kwargs):
+        snapshots.append(torch.cat([p.detach().reshape(-1).clone() for p in list(vparams) + list(lparams)]))
+        return real(par, vparams, lparams, *args, **kwargs)
+
+    parallel.finalize_gradients = spy
+    try:
+        history, _ = train.main(list(argv))
+    finally:
+        parallel.finalize_gradients = real
+    return history, snapshots
+
+
+@pytest.mark.parametrize("schedule", [["--lr-decay-iters", "4"], ["--train-samples", "16"]], ids=["iters", "samples"])
+def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
+    """finalize_gradients reports inf on step 2 (on every rank, as the real one would): the step is skipped, its
+    weights and AdamW state are untouched and the LR schedule does not advance (§7.2, D5)."""
+    real, calls = parallel.finalize_gradients, []
+
+    def overflow_on_step_2(par, vparams, lparams, *args, **kwargs):
+        norm, ok = real(par, vparams, lparams, *args, **kwargs)   # the real collectives, every rank
+        calls.append(1)
+        if len(calls) == 2:
+            for p in list(vparams) + list(lparams):
+                p.grad = None
+            return float("nan"), False
+        return norm, ok
+
+    monkeypatch.setattr(parallel, "finalize_gradients", overflow_on_step_2)   # inherited by the forked children
+    argv = ["--preset", "tiny", "--steps", "4", "--global-batch", str(GB), "--lr", "1e-3", "--min-lr", "0",
+            "--lr-schedule", "cosine", "--vision-dp", "1", "--lm-dp", "2"] + schedule
+    results = run_distributed(_train_with_snapshots, 3, argv, timeout=60.0)
+    args = train.parse_args(argv)[0]
+    lrs = [train.learning_rate(args, it, it * GB) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
+    assert len(set(lrs)) == 3, lrs
+    for rank, (history, snapshots) in enumerate(results):
+        assert [h["ok"] for h in history] == [True, False, True, True], rank
+        assert [h["lr"] for h in history] == lrs, (rank, [h["lr"] for h in history], lrs)
+        assert math.isnan(history[1]["grad_norm"]) and all(math.isfinite(history[i]["grad_norm"]) for i in (0, 2, 3))
+        before = snapshots                  # weights entering steps 1, 2, 3, 4
+        assert not torch.equal(before[0], before[1]), rank                   # step 1 trained
+        assert torch.equal(before[1], before[2]), rank                       # step 2 was skipped: nothing moved
+        assert not torch.equal(before[2], before[3]), rank                   # step 3 trained again
+
+
+# ---------------------------------------------------------------- 6. step consensus: one encoder rank overflows
+
+def _train_with_inf_on_vision_rank_1(rank, world, argv):
+    """A hook on vision rank 1's projector weight turns its gradient into inf in step 2 (its 3rd and 4th backward:
+    two micro-batches a step). Every rank of both grids must skip that step, and nobody hangs (§9.19)."""
+    real = model.set_trainable
+    seen = []
+
+    def set_trainable(modules, *args, **kwargs):
+        real(modules, *args, **kwargs)
+        if rank == 1 and "vision" in modules and "language" not in modules:
+            def hook(g):
+                seen.append(1)
+                return torch.full_like(g, float("inf")) if len(seen) in (3, 4) else g
+            modules["vision"].mlp1["3"].weight.register_hook(hook)
+
+    model.set_trainable = set_trainable
+    try:
+        history, _ = train.main(list(argv))
+    finally:
+        model.set_trainable = real
+    return history, len(seen)
+
+
+def test_inf_on_one_encoder_rank_skips_everywhere():
+    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", str(GB), "--lr", "1e-3", "--lr-schedule", "constant"]
+    results = run_distributed(_train_with_inf_on_vision_rank_1, 4, argv, timeout=60.0)
+    assert [n for _, n in results] == [0, 6, 0, 0]                # the hook fired on rank 1 only, 2 per step
+    for rank, (history, _) in enumerate(results):
+        assert [h["ok"] for h in history] == [True, False, True], rank
+        assert math.isnan(history[1]["grad_norm"]), rank
+        assert history[0]["grad_norm"] == results[0][0][0]["grad_norm"] and math.isfinite(history[2]["grad_norm"])
+        if rank >= 2:
+            assert all(math.isfinite(h["loss"]) for h in history), rank     # forward was fine, only the update skipped
+
+
+# ---------------------------------------------------------------- 7. layout errors and the dry run
+
+def test_too_big_for_this_machine_fails_before_allocating(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = config.resolve("20l")
+    lay = parallel.plan_layout(cfg, 1, 1, 8)
+    need = max(train.memory_estimate(cfg, lay, 2).values())
+    if need < 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        pytest.skip(f"20l ({need / 2 ** 30:.0f} GiB) fits this machine's memory")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("got past the fit check")
+
+    monkeypatch.setattr(dist, "init_process_group", must_not_run)
+    monkeypatch.setattr(parallel, "setup", must_not_run)                # models are built after these
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "20l"])
+    msg = str(e.value)
+    assert "does not fit" in msg and "--dry-run" in msg and "GiB" in msg, msg
+    assert not dist.is_initialized()
+
+
+def test_bad_grid_exits_with_the_layout_message(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("layout error came too late"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--vision-dp", "3", "--lm-dp", "2"])
+    msg = str(e.value)
+    assert msg.startswith("bad parallel layout"), msg
+    assert "!= WORLD_SIZE 4" in msg and "must divide one another" in msg, msg
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--global-batch", "5"])        # reference layout: lm dp 2
+    assert "global_batch 5 is not divisible" in str(e.value)
+
+
+def test_dry_run_prints_sizes():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "train.py", "--preset", "nano", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["params_language"] == 31577937344                        # Nemotron-3 Nano 30B-A3B decoder
+    assert last["params_vision"] == 811558400                            # RADIO ViT-H + projector
+    assert last["params_active"] == 3580073408 + last["params_vision"]   # active decoder (~3.6B) + vision
+    assert last["params_total"] == last["params_language"] + last["params_vision"]

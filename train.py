@@ -342,14 +342,19 @@ def main(argv=None):
                         "ok": ok})
         stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
         dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-        if log_rank and (step % args.log_every == 0 or step == args.steps - 1):
+        log_now = step % args.log_every == 0 or step == args.steps - 1
+        mem_per_rank = [None] * world
+        if log_now:  # every rank's peak, so a hetero run shows both grids
+            dist.all_gather_object(mem_per_rank, round(peak_memory_gib(device), 2))
+        if log_rank and log_now:
             tflops = step_flops / dt / world / 1e12
             rec = {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "skipped": skipped,
                    "consumed_samples": consumed, "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt,
                    "tokens_per_s_per_gpu_lm": tokens_per_step / dt / lay.lm_size,
                    "tokens_per_s_per_gpu_all": tokens_per_step / dt / world, "step_time_s": dt,
                    "tflops_per_gpu": tflops if device.type == "cuda" else None,
-                   "mfu": tflops / peak if peak else None, "peak_mem_gib": peak_memory_gib(device)}
+                   "mfu": tflops / peak if peak else None, "peak_mem_gib": peak_memory_gib(device),
+                   "peak_mem_gib_per_rank": mem_per_rank}
             if counts is not None and args.moe_stats_every and step % args.moe_stats_every == 0:
                 rec["moe"] = moe_stats(counts)
             print(format_line(rec), flush=True)
@@ -403,7 +408,8 @@ def format_line(r):
     return (f"step {r['step']} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm {r['grad_norm']:.3f} | "
             f"skipped {r['skipped']} | tok/s/gpu {r['tokens_per_s_per_gpu_lm']:.0f} (lm) "
             f"{r['tokens_per_s_per_gpu_all']:.0f} (all) | TFLOP/s/gpu {na(r['tflops_per_gpu'], '.1f')} | "
-            f"MFU {na(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} ms | peak mem {r['peak_mem_gib']:.2f} GiB")
+            f"MFU {na(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} ms | peak mem GiB per rank "
+            f"{r['peak_mem_gib_per_rank']}")
 
 
 def dry_run(cfg, lay, args):

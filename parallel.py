@@ -212,9 +212,6 @@ class Grid:
             out[name], i = i % n, i // n
         return out
 
-    def group_of(self, dims, rank):
-        return next(g for g in self.groups(dims) if rank in g)
-
 
 def vision_grid(lay):
     return Grid({"tp": lay.vision_tp, "cp": 1, "dp": lay.vision_dp, "pp": 1}, offset=0)
@@ -411,15 +408,6 @@ def lane_samples(lay, side, lane):
     """Sample indices of the global microbatch owned by data lane `lane` of `side` ("vision" or "lm")."""
     n = lay.micro_batch if side == "lm" else lay.vision_micro_batch
     return range(lane * n, (lane + 1) * n)
-
-
-def rank_samples(lay, rank):
-    """{"vision": range | None, "lm": range | None}: the samples `rank` handles on each side of the bridge."""
-    out = {"vision": None, "lm": None}
-    for side, grid in (("vision", vision_grid(lay)), ("lm", lm_grid(lay))):
-        if rank in grid:
-            out[side] = lane_samples(lay, side, grid.coords(rank)["dp"])
-    return out
 
 
 def bridge_links(lay):

@@ -12,11 +12,25 @@ import config
 from comm import mark_shard, shard
 from parallel import (Bridge, Grid, Layout, bridge_links, check_layout, expert_grid, finalize_gradients,
                       global_grad_norm, global_token_count, lane_samples, lanes, lm_grid, plan_layout,
-                      rank_samples, reduce_gradients, setup, vision_grid)
+                      reduce_gradients, setup, vision_grid)
 from tests.spawn import run_distributed
 
 BIG = config.Config()                       # 32 heads, 8 KV heads, 64 Mamba heads, 8 groups, 128 experts
 TINY = config.resolve("tiny")               # 4 heads, 2 KV heads, 8 Mamba heads, 2 groups, 8 experts
+
+
+def group_of(grid, dims, rank):
+    """The group of `grid` spanning `dims` that holds `rank`."""
+    return next(g for g in grid.groups(dims) if rank in g)
+
+
+def rank_samples(lay, rank):
+    """{"vision": range | None, "lm": range | None}: the samples `rank` handles on each side of the bridge."""
+    out = {"vision": None, "lm": None}
+    for side, grid in (("vision", vision_grid(lay)), ("lm", lm_grid(lay))):
+        if rank in grid:
+            out[side] = lane_samples(lay, side, grid.coords(rank)["dp"])
+    return out
 
 
 def assert_close(a, b):
@@ -87,8 +101,8 @@ def test_worked_example_b():
     assert ex.groups("edp")[:2] == [[8, 24, 40, 56], [9, 25, 41, 57]] and len(ex.groups("edp")) == 16
     assert ex.groups("etp") == [[r] for r in range(8, 72)]
     ex2 = expert_grid(dataclasses.replace(lay, lm_etp=2))
-    assert ex2.group_of("ep", 8) == list(range(8, 40, 2))
-    assert ex2.group_of("etp", 8) == [8, 9] and ex2.group_of("edp", 8) == [8, 40]
+    assert group_of(ex2, "ep", 8) == list(range(8, 40, 2))
+    assert group_of(ex2, "etp", 8) == [8, 9] and group_of(ex2, "edp", 8) == [8, 40]
     for etp, grid in ((1, ex), (2, ex2)):   # both equal RankGenerator(tp=etp, ep=16, dp=edp, rank_offset=8)
         for dims in ("ep", "etp", "edp", "etp-ep", "etp-ep-pp"):
             assert grid.groups(dims) == expert_generator(etp, 16, 64 // (16 * etp), 1, 8, dims), dims
@@ -158,7 +172,7 @@ def test_grid_invariants(lay):
                 assert sorted(flat) == sorted(span)                     # disjoint, covering exactly the span
                 for r in span:                                          # coordinate consistency
                     c = grid.coords(r)
-                    mine = grid.group_of(dims, r)
+                    mine = group_of(grid, dims, r)
                     assert set(mine) == {q for q in span
                                          if all(grid.coords(q)[d] == c[d] for d in grid.names if d not in dims)}
                     coords = [tuple(grid.coords(q)[d] for d in reversed(dims)) for q in mine]
@@ -174,8 +188,8 @@ def test_grid_invariants(lay):
     for g in ex.groups("ep"):   # each ep group lies in one tp-cp-dp slice of a single pp stage
         assert any(set(g) <= set(s) for s in lm.groups("tp-cp-dp"))
     for r in spans[1]:          # tp_ep_pp x edp partitions the grid
-        assert len(ex.group_of("etp-ep-pp", r)) * len(ex.group_of("edp", r)) == lm.size
-        assert set(ex.group_of("etp-ep-pp", r)) & set(ex.group_of("edp", r)) == {r}
+        assert len(group_of(ex, "etp-ep-pp", r)) * len(group_of(ex, "edp", r)) == lm.size
+        assert set(group_of(ex, "etp-ep-pp", r)) & set(group_of(ex, "edp", r)) == {r}
 
 
 # ---------------------------------------------------------------- comm map (§9.9) and sample ownership
@@ -295,12 +309,12 @@ def _check_setup(rank, world):
             assert (m.tp_rank, m.dp_rank, m.tp_size, m.dp_size) == (c["tp"], c["dp"], grid.shape[0], grid.shape[2])
             assert dist.get_rank(m.tp) == m.tp_rank and dist.get_rank(m.dp) == m.dp_rank
             for f in fields:
-                assert _members(getattr(m, f), world) == grid.group_of(dims.get(f, f), rank), (name, f)
+                assert _members(getattr(m, f), world) == group_of(grid, dims.get(f, f), rank), (name, f)
         if par.lm is not None:
             ex = expert_grid(lay)
             for f, d in (("ep", "ep"), ("etp", "etp"), ("edp", "edp"), ("etp_ep", "etp-ep"),
                          ("etp_ep_pp", "etp-ep-pp")):
-                assert _members(getattr(par.lm, f), world) == ex.group_of(d, rank), f
+                assert _members(getattr(par.lm, f), world) == group_of(ex, d, rank), f
             c = ex.coords(rank)
             assert (par.lm.ep_rank, par.lm.etp_rank, par.lm.edp_rank) == (c["ep"], c["etp"], c["edp"])
             assert dist.get_rank(par.lm.ep) == par.lm.ep_rank and dist.get_rank(par.lm.edp) == par.lm.edp_rank

@@ -217,7 +217,7 @@ def main(argv=None):
 
     def microbatch(ds, first, train):
         """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
-        Returns (sum of token losses, loss tokens) on language ranks, zeros elsewhere."""
+        Returns the sum of token losses on language ranks, zero elsewhere."""
         loss_sum = torch.zeros((), device=device)
         if vision is not None:
             own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)

@@ -228,3 +228,35 @@ def test_config_overrides_and_errors():
         config.resolve("tiny", {"hiden_size": 3})
     with pytest.raises(SystemExit, match="num_attention_heads must be a multiple"):
         config.resolve("tiny", {"num_key_value_heads": 3})
+
+
+def test_deepep_dispatcher_without_package_fails_clearly():
+    try:  # deep_ep cannot be built here; the backend must say so rather than fall back silently
+        import deep_ep  # noqa: F401
+        pytest.skip("deep_ep is installed")
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit, match="needs the deep_ep package"):
+        moe.MoE(config.resolve("tiny"), dispatcher="deepep")
+    with pytest.raises(ValueError, match="unknown moe dispatcher"):
+        moe.MoE(config.resolve("tiny"), dispatcher="nccl")
+
+
+def test_activation_checkpointing_same_grads_and_counts_tokens_once():
+    cfg, lm = tiny_lm()
+    ids = torch.randint(0, cfg.vocab_size, (2, 40))
+    results = []
+    for ckpt in (False, True):
+        lm.zero_grad()
+        lm.checkpoint_layers = ckpt
+        s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)
+        s.backward()
+        counts = torch.stack([m.tokens_per_expert.clone() for m in lm.modules() if isinstance(m, moe.Router)])
+        for m in lm.modules():
+            if isinstance(m, moe.Router):
+                m.tokens_per_expert.zero_()
+        results.append((s.item(), [p.grad.clone() for p in lm.parameters()], counts))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(results[0][2], results[1][2]) and results[1][2].sum() == 3 * 80 * cfg.num_experts_per_tok

@@ -42,6 +42,7 @@ class Sample:
     labels: torch.Tensor
     images: list
     seq_idx: torch.Tensor = None
+    n_pad: int = 0                    # padding tokens at the end of the row (not routed or counted by MoE layers)
 
 
 class BadSample(ValueError):
@@ -286,7 +287,7 @@ def make_row(docs, cfg, pad_id, packed):
     ids.append(torch.full((pad,), pad_id))
     labels.append(torch.full((pad,), -100))
     seq.append(torch.full((pad,), len(docs)))    # padding is a document of its own: nothing attends into it
-    return Sample(torch.cat(ids), torch.cat(labels), images, torch.cat(seq) if packed else None)
+    return Sample(torch.cat(ids), torch.cat(labels), images, torch.cat(seq) if packed else None, pad)
 
 
 # ---------------------------------------------------------------- indexing
@@ -549,11 +550,15 @@ class Loader:
 # ---------------------------------------------------------------- collate
 
 def collate_text(samples):
-    """-> input_ids [B, L], labels [B, L], seq_idx [B, L] or None (no sample packed) (language side)."""
-    seq = None
+    """-> input_ids [B, L], labels [B, L], seq_idx [B, L] or None (no sample packed), valid [B, L] bool or None
+    (no padding) (language side)."""
+    seq = valid = None
     if any(s.seq_idx is not None for s in samples):
         seq = torch.stack([s.seq_idx if s.seq_idx is not None else torch.zeros_like(s.input_ids) for s in samples])
-    return torch.stack([s.input_ids for s in samples]), torch.stack([s.labels for s in samples]), seq
+    if any(s.n_pad for s in samples):
+        L = samples[0].input_ids.shape[0]
+        valid = torch.stack([torch.arange(L) < L - s.n_pad for s in samples])
+    return torch.stack([s.input_ids for s in samples]), torch.stack([s.labels for s in samples]), seq, valid
 
 
 def collate_images(samples, cfg):

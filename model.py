@@ -85,9 +85,11 @@ class Block(nn.Module):
         else:
             self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def forward(self, h, seq_idx=None):
+    def forward(self, h, seq_idx=None, valid=None):
         x = self.norm(h)
-        return h + (self.mixer(x, seq_idx) if self.kind in "M*" else self.mixer(x))
+        if self.kind in "M*":
+            return h + self.mixer(x, seq_idx)
+        return h + (self.mixer(x, valid) if self.kind == "E" else self.mixer(x))
 
 
 class VocabEmbedding(nn.Module):
@@ -127,15 +129,16 @@ class LanguageModel(nn.Module):
     def embed(self, input_ids):
         return self.backbone.embeddings(input_ids)
 
-    def forward(self, h_BLD, seq_idx=None):
-        """Embedded input (image rows already placed) -> final normed hidden states."""
+    def forward(self, h_BLD, seq_idx=None, valid=None):
+        """Embedded input (image rows already placed) -> final normed hidden states. seq_idx [B, L]: document ids
+        of packed rows; valid [B, L]: False on padding, which MoE layers neither count nor balance."""
         if torch.is_autocast_enabled(h_BLD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
             h_BLD = h_BLD.to(torch.get_autocast_dtype(h_BLD.device.type))
         for layer in self.backbone.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
-                h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, use_reentrant=False)
+                h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, valid, use_reentrant=False)
             else:
-                h_BLD = layer(h_BLD, seq_idx)
+                h_BLD = layer(h_BLD, seq_idx, valid)
         return self.backbone.norm_f(h_BLD)
 
     def logits(self, hidden):

@@ -26,7 +26,7 @@ class Router(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.aux_loss_scale = 1.0  # set per step by set_aux_loss_scale
 
-    def forward(self, x_BLD):
+    def forward(self, x_BLD, valid_BL=None):
         """-> topk ids [B*L, K] (int64), routing weights [B*L, K] (fp32, differentiable)."""
         Bsz, L, _ = x_BLD.shape
         logits = F.linear(x_BLD.reshape(Bsz * L, -1).float(), self.weight.float())
@@ -35,18 +35,21 @@ class Router(nn.Module):
         picked = scores.gather(-1, topk_idx)
         topk_w = self.scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
         if self.training and torch.is_grad_enabled() and self.aux_coeff > 0:
-            aux = seq_aux_loss(scores.view(Bsz, L, -1), self.top_k, self.aux_coeff)
+            aux = seq_aux_loss(scores.view(Bsz, L, -1), self.top_k, self.aux_coeff, valid_BL)
             topk_w = AuxLossInjector.apply(topk_w, aux, self.aux_loss_scale)
         return topk_idx, topk_w
 
 
-def seq_aux_loss(scores_BLE, top_k, coeff):
-    """DeepSeek-V3 sequence-wise balance loss: coeff/B * sum_b sum_i f_bi * P_bi (bias-free scores)."""
+def seq_aux_loss(scores_BLE, top_k, coeff, valid_BL=None):
+    """DeepSeek-V3 sequence-wise balance loss: coeff/B * sum_b sum_i f_bi * P_bi (bias-free scores).
+    Under a padding mask, T of each sequence is its count of valid tokens."""
     Bsz, L, E = scores_BLE.shape
     s_hat = scores_BLE / (scores_BLE.sum(-1, keepdim=True) + 1e-20)
     chosen = torch.zeros_like(s_hat).scatter_(-1, torch.topk(s_hat, top_k, dim=-1).indices, 1.0)
-    f = chosen.sum(1) * E / (top_k * L)      # [B, E], no gradient
-    P = s_hat.mean(1)                        # [B, E]
+    w = torch.ones(Bsz, L, 1, device=s_hat.device) if valid_BL is None else valid_BL[..., None].float()
+    T = w.sum(1).clamp_min(1)                # [B, 1]
+    f = (chosen * w).sum(1) * E / (top_k * T)   # [B, E], no gradient
+    P = (s_hat * w).sum(1) / T               # [B, E]
     return coeff * (f * P).sum() / Bsz
 
 
@@ -135,9 +138,10 @@ class MoE(nn.Module):
             raise ValueError(f"unknown moe dispatcher {dispatcher!r} (alltoall | deepep)")
         self.deepep = DeepEPDispatch(ep_group, self.num_experts) if dispatcher == "deepep" else None
 
-    def forward(self, x_BLD):
+    def forward(self, x_BLD, valid_BL=None):
         Bsz, L, D = x_BLD.shape
-        topk_idx, topk_w = self.gate(x_BLD)
+        topk_idx, topk_w = self.gate(x_BLD, valid_BL)
+        valid_T = None if valid_BL is None else valid_BL.reshape(-1)
         x_TD = x_BLD.reshape(Bsz * L, D)
         tp = comm.group_size(self.tp_group)
         if tp > 1:  # each tp rank routes its own token slice; backward all-gathers so upstream grads are whole
@@ -147,10 +151,12 @@ class MoE(nn.Module):
             x_TD = comm.split_dim(x_TD, 0, self.tp_group)
             topk_w = comm.split_dim(topk_w, 0, self.tp_group)
             topk_idx = topk_idx.chunk(tp)[rank]
+            valid_T = None if valid_T is None else valid_T.chunk(tp)[rank]
         # Bias-influenced choices, counted once per token: not again when activation checkpointing recomputes
         # this forward inside backward (graph task id != -1 only while autograd runs).
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self.gate.tokens_per_expert += torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).float()
+            counted = topk_idx if valid_T is None else topk_idx[valid_T]   # padding is routed, not counted
+            self.gate.tokens_per_expert += torch.bincount(counted.reshape(-1), minlength=self.num_experts).float()
         y_TD = (self.deepep or self._alltoall_dispatch)(x_TD, topk_idx, topk_w, self.experts)
         y_TD = comm.all_gather_dim(y_TD, 0, self.tp_group)
         return y_TD.view(Bsz, L, D) + self.shared_experts(x_BLD)

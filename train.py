@@ -227,13 +227,14 @@ def main(argv=None):
             bridge.send(out, rows)
         if lm is not None:
             x, rows = bridge.recv()
-            ids, labels, seq_idx = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
+            ids, labels, seq_idx, valid = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
                                                                                                 par.lm.dp_rank)])
             ids, labels = ids.to(device), labels.to(device)
             seq_idx = seq_idx if seq_idx is None else seq_idx.to(device)  # packed rows: document ids
+            valid = valid if valid is None else valid.to(device)          # padded rows: real tokens
             with autocast:
                 h = model.place_images(lm.embed(ids), ids, x, rows, cfg.image_token_id)
-                s, _ = lm.loss_sum(lm(h, seq_idx), labels)
+                s, _ = lm.loss_sum(lm(h, seq_idx, valid), labels)
             if train:
                 s.backward()
                 bridge.send_grad()

@@ -167,7 +167,7 @@ def test_packing_boundaries_reach_the_model(tmp_path):
     lm = model.LanguageModel(CFG)
     model.init_weights(lm, 1, {"tp": (0, 1), "ep": (0, 1), "etp": (0, 1)}, CFG)
     lm.eval()
-    ids, labels, seq = data.collate_text([packed[0], packed[1]])
+    ids, labels, seq, valid = data.collate_text([packed[0], packed[1]])
     assert seq.shape == ids.shape == labels.shape == (2, CFG.seq_len)
     with torch.no_grad():
         h = lm(lm.embed(ids), seq)
@@ -182,8 +182,8 @@ def test_packing_boundaries_reach_the_model(tmp_path):
 def test_train_passes_seq_idx_to_the_model(tmp_path, monkeypatch):
     import train
     seen, forward = [], model.LanguageModel.forward
-    monkeypatch.setattr(model.LanguageModel, "forward", lambda self, h, seq_idx=None: (
-        seen.append(seq_idx), forward(self, h, seq_idx))[1])
+    monkeypatch.setattr(model.LanguageModel, "forward", lambda self, h, seq_idx=None, valid=None: (
+        seen.append(seq_idx), forward(self, h, seq_idx, valid))[1])
     history, _ = train.main(["--data", docs_file(tmp_path), "--pack", "--steps", "2", "--global-batch", "2",
                              "--log-every", "100"])
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
@@ -291,3 +291,14 @@ def test_resume_and_workers_continue_at_the_right_sample(tmp_path, chat_file):
         assert torch.equal(s.seq_idx, want.seq_idx) and all(torch.equal(x, y) for x, y in zip(s.images, want.images))
     text_only = data.Loader(ds, [1], 4, pixels=False).step(16, 1)[17]  # language-only ranks decode no pixels
     assert text_only.images is None and torch.equal(text_only.input_ids, ds[17].input_ids)
+
+
+def test_padding_mask_reaches_the_batch():
+    cfg = config.resolve("tiny", {"seq_len": 12})
+    docs = [([1, 2, 3, 4, 5], [True] * 5, None)]
+    row = data.make_row(docs, cfg, pad_id=510, packed=False)
+    assert row.n_pad == 7 and row.input_ids[5:].tolist() == [510] * 7 and (row.labels[4:] == -100).all()
+    full = data.make_row([([1] * 12, [True] * 12, None)], cfg, pad_id=510, packed=False)
+    ids, labels, seq, valid = data.collate_text([row, full])
+    assert seq is None and valid.sum(1).tolist() == [5, 12]
+    assert data.collate_text([full, full])[3] is None

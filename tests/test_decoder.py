@@ -260,3 +260,20 @@ def test_activation_checkpointing_same_grads_and_counts_tokens_once():
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b)
     assert torch.equal(results[0][2], results[1][2]) and results[1][2].sum() == 3 * 80 * cfg.num_experts_per_tok
+
+
+def test_padding_is_routed_but_not_counted_or_balanced():
+    torch.manual_seed(0)
+    scores = torch.rand(1, 9, 8)
+    valid = torch.tensor([[True] * 6 + [False] * 3])
+    assert moe.seq_aux_loss(scores, 2, 1e-2, valid).item() == pytest.approx(
+        moe.seq_aux_loss(scores[:, :6], 2, 1e-2).item(), rel=1e-6)
+    cfg, lm = tiny_lm()
+    layer = next(b for b in lm.backbone.layers if b.kind == "E").mixer
+    x = torch.randn(1, 9, cfg.hidden_size)
+    out_masked = layer(x, valid)
+    masked_counts = layer.gate.tokens_per_expert.clone()
+    layer.gate.tokens_per_expert.zero_()
+    out_short = layer(x[:, :6])
+    assert torch.equal(masked_counts, layer.gate.tokens_per_expert)
+    torch.testing.assert_close(out_masked[:, :6], out_short)   # real tokens see no difference

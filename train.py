@@ -16,11 +16,13 @@ import json
 import math
 import os
 import signal
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import checkpoint
 import config
@@ -303,6 +305,8 @@ def main(argv=None):
     history = []  # per step, on every rank: what tests and callers of main() inspect
     for m in modules.values():
         m.train()
+    bar = tqdm(total=args.steps, initial=counters["step"], unit="step",
+               disable=not (log_rank and sys.stdout.isatty()))  # a progress bar only for a person watching
     for step in range(counters["step"], args.steps):
         t0 = time.perf_counter()
         lr = learning_rate(args, good_steps, good_steps * args.global_batch)  # skipped steps advance neither
@@ -358,7 +362,10 @@ def main(argv=None):
                    "peak_mem_gib_per_rank": mem_per_rank}
             if counts is not None and args.moe_stats_every and step % args.moe_stats_every == 0:
                 rec["moe"] = moe_stats(counts)
-            print(format_line(rec), flush=True)
+            if bar.disable:
+                print(format_line(rec), flush=True)
+            else:
+                tqdm.write(format_line(rec))
             if metrics:
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
@@ -369,6 +376,7 @@ def main(argv=None):
                 for key, value in rec.get("moe", {}).items():
                     if not isinstance(value, list):
                         tb.add_scalar(f"moe/{key}", value, step + 1)
+        bar.update(1)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             eval_loss, eval_tokens = evaluate()
             if log_rank:
@@ -380,6 +388,7 @@ def main(argv=None):
             if log_rank:
                 print(f"stopping after step {step + 1} on signal", flush=True)
             break
+    bar.close()
     if saver is not None:
         saver.close()  # waits for an async save in flight
     if metrics:

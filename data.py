@@ -69,10 +69,11 @@ class MockData:
         if self.image_tokens >= cfg.seq_len:
             raise ValueError(f"mock image of {self.image_tokens} tokens does not fit seq_len {cfg.seq_len}")
 
-    def sample(self, index, pixels=True):
-        return self[index]
-
     def __getitem__(self, index):
+        return self.sample(index)
+
+    def sample(self, index, pixels=True):
+        """Sample `index`; pixels=False (language-only ranks) skips drawing the image, drawn last for that reason."""
         cfg = self.cfg
         if cfg.mock_num_samples:
             index %= cfg.mock_num_samples
@@ -84,7 +85,9 @@ class MockData:
         tokens = torch.cat([torch.full((n_img,), cfg.image_token_id), text])
         input_ids, labels = tokens[:-1], tokens[1:].clone()
         labels[input_ids == cfg.image_token_id] = -100
-        images = [] if text_only else [torch.randn(3, cfg.mock_image_size, cfg.mock_image_size, generator=g)]
+        images = None
+        if pixels:
+            images = [] if text_only else [torch.randn(3, cfg.mock_image_size, cfg.mock_image_size, generator=g)]
         return Sample(input_ids, labels, images)
 
 

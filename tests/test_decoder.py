@@ -277,3 +277,32 @@ def test_padding_is_routed_but_not_counted_or_balanced():
     out_short = layer(x[:, :6])
     assert torch.equal(masked_counts, layer.gate.tokens_per_expert)
     torch.testing.assert_close(out_masked[:, :6], out_short)   # real tokens see no difference
+
+
+def test_stage_and_regex_freezing():
+    from radio import VisionModel
+    import train
+    cfg, lm = tiny_lm()
+    modules = {"vision": VisionModel(cfg), "language": lm}
+
+    def trainable():
+        return {f"{k}.{n}" for k, m in modules.items() for n, p in m.named_parameters() if p.requires_grad}
+    every = {f"{k}.{n}" for k, m in modules.items() for n, _ in m.named_parameters()}
+    projector = {n for n in every if n.startswith("vision.mlp1.")}
+    tower = {n for n in every if n.startswith("vision.")} - projector
+    model.set_trainable(modules, stage=1)
+    assert trainable() == projector
+    model.set_trainable(modules, stage=2)
+    assert trainable() == every - tower
+    model.set_trainable(modules, stage=3)
+    assert trainable() == every
+    model.set_trainable(modules, stage=2, regex=r"^language\.backbone\.layers\.0\.")
+    assert trainable() == {n for n in every if n.startswith("language.backbone.layers.0.")}
+    # frozen parameters get no gradient and no optimizer state
+    model.set_trainable(modules, stage=1)
+    args = train.parse_args([])[0]
+    opt = train.optimizer_for(modules.values(), args, torch.device("cpu"))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(projector)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)
+    assert not s.requires_grad  # a frozen language model builds no graph: its gradients can only come via images

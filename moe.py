@@ -173,18 +173,23 @@ class MoE(nn.Module):
         cnt_recv = cnt.view(ep, n_local).clone()                 # [source ep rank, local expert]
         if ep > 1:
             dist.all_to_all_single(cnt_recv, cnt.view(ep, n_local).contiguous(), group=self.ep_group)
-        in_splits = cnt.view(ep, n_local).sum(1).tolist()        # the one host sync of the layer
-        out_splits = cnt_recv.sum(1).tolist()
+        cnt_src = cnt_recv
+        if etp > 1:  # etp peers hold other ffn slices of the same experts: everyone will see everyone's rows
+            gathered = [torch.empty_like(cnt_recv) for _ in range(etp)]
+            dist.all_gather(gathered, cnt_recv, group=self.etp_group)
+            cnt_src = torch.cat(gathered)                        # [(etp source, ep source), local expert]
+        # The one host sync of the layer: every split size below comes from this single copy.
+        cnt_h, src_h = torch.cat([cnt, cnt_src.reshape(-1)]).cpu().split([cnt.numel(), cnt_src.numel()])
+        src_h = src_h.view(etp, ep, n_local)
+        in_splits = cnt_h.view(ep, n_local).sum(1).tolist()
+        out_splits = src_h[comm.group_rank(self.etp_group)].sum(1).tolist()
         x_recv = comm.all_to_all(x_send, out_splits, in_splits, self.ep_group)
-        if etp > 1:  # etp peers hold other ffn slices of the same experts: everyone sees everyone's rows
-            cnt_all = [torch.empty_like(cnt_recv) for _ in range(etp)]
-            dist.all_gather(cnt_all, cnt_recv, group=self.etp_group)
-            cnt_recv = torch.cat(cnt_all)                        # [(etp source, ep source), local expert]
-            sizes = [int(c.sum()) for c in cnt_all]
+        if etp > 1:
+            sizes = src_h.sum((1, 2)).tolist()
             x_recv = comm.all_to_all(x_recv.repeat(etp, 1), sizes, [x_recv.shape[0]] * etp, self.etp_group)
-        perm = _source_to_expert_order(cnt_recv)
+        perm = _source_to_expert_order(cnt_src, int(src_h.sum()))
         inv_perm = inverse_permutation(perm)
-        y_exp = experts(permute_rows(x_recv, perm, inv_perm), cnt_recv.sum(0).tolist())
+        y_exp = experts(permute_rows(x_recv, perm, inv_perm), src_h.sum((0, 1)).tolist())
         y_recv = permute_rows(y_exp, inv_perm, perm)
         if etp > 1:  # sum the ffn-slice partials and keep own rows (the adjoint of the gather above)
             n_own = sum(out_splits)
@@ -240,13 +245,13 @@ def gather_routed(x_TD, order, K):
     return _GatherRouted.apply(x_TD, order, unorder, K), unorder
 
 
-def _source_to_expert_order(cnt_SJ):
-    """Rows arrive source-major (s, then local expert j); experts want (j, then s). Returns that gather index."""
+def _source_to_expert_order(cnt_SJ, R):
+    """Rows arrive source-major (s, then local expert j); experts want (j, then s). Returns that gather index.
+    R = cnt_SJ.sum(), known on the host already (no second sync)."""
     S, J = cnt_SJ.shape
     seg_len = cnt_SJ.T.reshape(-1)                               # segments in (j, s) order
     in_start = (torch.cumsum(cnt_SJ.reshape(-1), 0) - cnt_SJ.reshape(-1)).view(S, J).T.reshape(-1)
     out_start = torch.cumsum(seg_len, 0) - seg_len
-    R = int(seg_len.sum())
     seg_id = torch.repeat_interleave(torch.arange(S * J, device=cnt_SJ.device), seg_len, output_size=R)
     return in_start[seg_id] + torch.arange(R, device=cnt_SJ.device) - out_start[seg_id]
 

@@ -145,9 +145,8 @@ def _snapshot(par, modules, opt, copy):
     for name, t, groups, coords, sizes in _entries(par, modules):
         if not parallel._unique_here(t, groups):   # the copy the grad norm counts: dp / edp rank 0, one per slice
             continue
-        shards, shape = [list(s) for s in getattr(t, "shards", ())], list(t.shape)
-        for kind, dim, _ in shards:
-            shape[dim] *= sizes[kind]
+        shards = [list(s) for s in getattr(t, "shards", ())]
+        shape = comm.full_shape(t.shape, shards, sizes)
         specs[name] = {"shape": shape, "dtype": _dtype(t), "shards": shards, "optim": id(t) in trained}
         files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(t)
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
@@ -336,10 +335,7 @@ class Reader:
         want = [tuple(s) for s in shards]
         if want and want == saved and all(saved_sizes[k] == sizes[k] for k, _, _ in want):   # same slicing
             return self._slice(kind, key, spec, saved_sizes, coords)
-        full = self._slice(kind, key, spec, saved_sizes, {})
-        for k, dim, segments in want:
-            full = comm.shard(full, dim, coords[k], sizes[k], segments)
-        return full
+        return comm.take_shard(self._slice(kind, key, spec, saved_sizes, {}), want, coords, sizes)
 
     def _slice(self, kind, key, spec, sizes, coords):
         """The saved slice at `coords`; kinds missing from `coords` are assembled (comm.unshard, first kind outer)."""

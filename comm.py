@@ -140,3 +140,18 @@ def mark_shard(param, *shards):
     """
     param.shards = tuple(shards)
     return param
+
+
+def full_shape(shape, shards, sizes):
+    """Shape of the whole tensor that a slice of `shape`, cut by `shards`, belongs to; sizes: {kind: group size}."""
+    shape = list(shape)
+    for kind, dim, _ in shards:
+        shape[dim] *= sizes.get(kind, 1)
+    return shape
+
+
+def take_shard(full, shards, ranks, sizes):
+    """This rank's slice of a full tensor, cut by `shards` in order (ranks / sizes: {kind: rank / group size})."""
+    for kind, dim, segments in shards:
+        full = shard(full, dim, ranks.get(kind, 0), sizes.get(kind, 1), segments)
+    return full

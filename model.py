@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # in fp32, whatever the activation dtype; one fused kernel where torch has it
+    def forward(self, x):  # normalise in fp32 whatever the activation dtype, return in that dtype
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -229,28 +229,21 @@ def set_trainable(modules, stage=2, regex=None):
 
 # ---------------------------------------------------------------- initialisation (independent of the layout)
 
-def init_weights(model, seed, coords, cfg, extra_rule=None):
+def init_weights(model, seed, coords, cfg):
     """Draw every parameter as its full tensor from a generator seeded by (seed, name), then keep this rank's
     shard. The initial model is then the same for every layout (tp, ep, hetero or colocated).
 
-    coords: {"tp": (rank, size), "ep": ..., "etp": ...}. extra_rule(name, shape, gen) may return a tensor
-    for parameters of another module family (the vision tower).
+    coords: {"tp": (rank, size), "ep": ..., "etp": ...}; kinds left out are unsharded.
     """
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(len(cfg.hybrid_override_pattern))
+    ranks, sizes = {k: r for k, (r, _) in coords.items()}, {k: n for k, (_, n) in coords.items()}
     for name, p in model.named_parameters():
         shards = getattr(p, "shards", ())
-        shape = list(p.shape)
-        for kind, dim, _ in shards:
-            shape[dim] *= coords.get(kind, (0, 1))[1]
         gen = torch.Generator(p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = (extra_rule and extra_rule(name, shape, gen)) if extra_rule else None
-        if full is None:
-            full = _decoder_rule(name, shape, gen, std, out_std, cfg.conv_kernel, p.device)
-        for kind, dim, segments in shards:
-            rank, size = coords.get(kind, (0, 1))
-            full = comm.shard(full, dim, rank, size, segments)
+        full = _decoder_rule(name, comm.full_shape(p.shape, shards, sizes), gen, std, out_std, cfg.conv_kernel,
+                             p.device)
         with torch.no_grad():
-            p.copy_(full)
+            p.copy_(comm.take_shard(full, shards, ranks, sizes))
 
 
 def _decoder_rule(name, shape, gen, std, out_std, conv_kernel, device):

@@ -165,12 +165,11 @@ class VisionModel(nn.Module):
         seeded like a single-device one holds exactly comm.shard() of its weights."""
         if self.pos_embed.is_meta:                                   # sizing only (dry run): nothing to draw
             return
-        T, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        ranks, sizes = {"tp": comm.group_rank(self.tp_group)}, {"tp": comm.group_size(self.tp_group)}
         C = self.cfg.vit_hidden
         for name, prm in self.named_parameters():
-            full = list(prm.shape)
-            for _, dim, _ in getattr(prm, "shards", ()):
-                full[dim] *= T
+            shards = getattr(prm, "shards", ())
+            full = comm.full_shape(prm.shape, shards, sizes)
             if name in ("pos_embed", "cls_token"):
                 val = torch.randn(full) * C ** -0.5                   # RADIO ViTPatchGenerator / ClsToken
             elif name == "embedder.weight":
@@ -181,9 +180,7 @@ class VisionModel(nn.Module):
                 val = torch.zeros(full)
             else:
                 val = torch.randn(full) * INIT_STD
-            for _, dim, segments in getattr(prm, "shards", ()):
-                val = comm.shard(val, dim, r, T, segments)
-            prm.copy_(val)
+            prm.copy_(comm.take_shard(val, shards, ranks, sizes))
 
     def pos_enc(self, h, w):
         R = self.cfg.vit_cpe_grid

@@ -206,8 +206,8 @@ def main(argv=None):
         lm.checkpoint_layers = args.activation_checkpointing
     modules = {k: m for k, m in (("vision", vision), ("language", lm)) if m is not None}
     model.set_trainable(modules, args.stage, args.train_layers)
-    vparams = [p for p in vision.parameters()] if vision is not None else []
-    lparams = [p for p in lm.parameters()] if lm is not None else []
+    vparams = list(vision.parameters()) if vision is not None else []
+    lparams = list(lm.parameters()) if lm is not None else []
     opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
     train_data, eval_data = data.build(args, cfg, verbose=log_rank)
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import fused
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
 
@@ -28,8 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # normalise in fp32 whatever the activation dtype, return in that dtype
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x):
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -158,39 +159,33 @@ def vocab_parallel_cross_entropy(logits_NV, targets_N, group=None):
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Fused fp32 softmax cross-entropy on a vocab shard: one fp32 copy of the logits, reused in place for the
-    softmax that backward needs (instead of autograd keeping several full-vocab intermediates)."""
+    """Softmax cross-entropy on a vocab shard with no fp32 copy of the logits: forward keeps one logsumexp per
+    row (over all shards, combined from each shard's own), backward rebuilds the softmax from the logits in the
+    same single pass that writes the gradient (fused.cross_entropy_grad)."""
 
     @staticmethod
     def forward(ctx, logits_NV, targets_N, group):
         V = logits_NV.shape[-1]
-        z = logits_NV.float()                                  # a copy even for fp32 input: modified in place
-        shift = z.max(-1, keepdim=True).values                 # any shift is exact; the max keeps exp() finite
-        if comm.group_size(group) > 1:
-            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
-        z.sub_(shift)
         local_t = targets_N - V * comm.group_rank(group)
         inside = (local_t >= 0) & (local_t < V)
         local_t = local_t.clamp(0, V - 1)
-        target_logit = z.gather(-1, local_t[:, None]).squeeze(-1) * inside
-        z.exp_()
-        sum_exp = z.sum(-1)
-        if comm.group_size(group) > 1:
+        lse, target_logit = fused.logsumexp_and_pick(logits_NV, local_t)
+        target_logit = target_logit * inside
+        if comm.group_size(group) > 1:  # logsumexp of the shards' logsumexps, shifted by the largest
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            sum_exp = torch.exp(lse - top)
             dist.all_reduce(sum_exp, group=group)
+            lse = top + torch.log(sum_exp)
             dist.all_reduce(target_logit, group=group)
         valid = targets_N != -100
-        z.div_(sum_exp[:, None])                               # softmax, kept for backward
-        ctx.save_for_backward(z, local_t, inside & valid, valid)
-        ctx.dtype = logits_NV.dtype
-        return (torch.log(sum_exp) - target_logit) * valid
+        ctx.save_for_backward(logits_NV, lse, local_t, inside & valid, valid)
+        return (lse - target_logit) * valid
 
     @staticmethod
     def backward(ctx, grad_N):
-        softmax, local_t, hit, valid = ctx.saved_tensors
-        g = grad_N * valid
-        grad = softmax.mul_(g[:, None])
-        grad.scatter_add_(-1, local_t[:, None], -(g * hit)[:, None])
-        return grad.to(ctx.dtype), None, None
+        logits_NV, lse, local_t, hit, valid = ctx.saved_tensors
+        return fused.cross_entropy_grad(logits_NV, lse, local_t, hit, grad_N * valid), None, None
 
 
 def place_images(h_BLD, input_ids, image_rows, rows_per_sample, image_token_id):

@@ -4,7 +4,7 @@ Token flow of one MoE layer (x is replicated over the language tp group, as ever
   router on all tokens (fp32, replicated)            -> topk ids [T, K], weights [T, K], seq aux loss (via grad)
   each tp rank keeps its 1/tp slice of the tokens     -> distinct tokens per rank, so ep/etp peers share work
   dispatch: sort by expert, all_to_all over ep (+ all-gather over etp), grouped GEMM, and back
-  combine: weight on the sender, index_add into token order, all-gather the tp slices
+  combine: weight on the sender, sum each token's k rows (a gather), all-gather the tp slices
   + shared expert (tensor parallel like a dense MLP)
 """
 import torch
@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import fused
 
 
 class Router(nn.Module):
@@ -94,7 +95,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = comm.copy_to(x, self.tp_group)
-        return comm.reduce_from(self.down_proj(F.relu(self.up_proj(x)).square()), self.tp_group)
+        return comm.reduce_from(self.down_proj(fused.squared_relu(self.up_proj(x))), self.tp_group)
 
 
 class Experts(nn.Module):
@@ -110,19 +111,22 @@ class Experts(nn.Module):
         comm.mark_shard(self.down_proj, ("ep", 0, None), ("etp", 2, None))
 
     def forward(self, x_RD, counts):
-        """x sorted by local expert, counts [n_local] (host list) -> partial outputs (summed over etp later)."""
+        """x sorted by local expert, counts [n_local] rows per expert -> partial outputs (summed over etp later)."""
         h = grouped_mm(x_RD, self.up_proj, counts)
-        return grouped_mm(F.relu(h).square(), self.down_proj, counts)
+        return grouped_mm(fused.squared_relu(h), self.down_proj, counts)
 
 
 def grouped_mm(x_RD, w_GND, counts):
-    """Rows of group g times w[g]^T. bf16 CUDA: one torch grouped GEMM; otherwise a loop over groups."""
+    """Rows of group g times w[g]^T; counts: rows per group, an int tensor.
+
+    bf16 CUDA: one torch grouped GEMM whose offsets stay on the device (counts on the host would cost a stream
+    sync for the copy). Otherwise a loop over groups."""
     if x_RD.is_cuda and torch.is_autocast_enabled("cuda"):  # grouped_mm is not autocast-aware
         x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
     if x_RD.is_cuda and x_RD.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        offs = torch.cumsum(torch.tensor(counts, device=x_RD.device), 0, dtype=torch.int32)
+        offs = torch.cumsum(counts.to(x_RD.device), 0, dtype=torch.int32)
         return F.grouped_mm(x_RD, w_GND.to(x_RD.dtype).transpose(-2, -1), offs=offs)
-    parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RD, counts), w_GND)]
+    parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RD, counts.tolist()), w_GND)]
     return torch.cat(parts) if parts else x_RD.new_zeros(0, w_GND.shape[1])
 
 
@@ -162,14 +166,22 @@ class MoE(nn.Module):
         return y_TD.view(Bsz, L, D) + self.shared_experts(x_BLD)
 
     def _alltoall_dispatch(self, x_TD, topk_idx, topk_w, experts):
-        """Dropless all_to_all dispatch; routing weights stay on the sender and apply after the return trip."""
-        T, K = topk_idx.shape
-        ep, etp = comm.group_size(self.ep_group), comm.group_size(self.etp_group)
-        n_local = self.num_experts // ep
+        """Dropless dispatch; routing weights stay on the sender and apply in the combine after the return trip."""
+        K = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
         x_send, unorder = gather_routed(x_TD, order, K)          # row i = token order[i] // K
         cnt = torch.bincount(flat, minlength=self.num_experts)
+        if comm.group_size(self.ep_group) * comm.group_size(self.etp_group) == 1:
+            y_back = experts(x_send, cnt)                        # one source: no exchange, no host sync
+        else:
+            y_back = self._exchange(x_send, cnt, experts)
+        return combine_routed(y_back, topk_w, order, unorder)
+
+    def _exchange(self, x_send, cnt, experts):
+        """Rows (sorted by global expert) to the ranks holding their experts, through them, and back."""
+        ep, etp = comm.group_size(self.ep_group), comm.group_size(self.etp_group)
+        n_local = self.num_experts // ep
         cnt_recv = cnt.view(ep, n_local).clone()                 # [source ep rank, local expert]
         if ep > 1:
             dist.all_to_all_single(cnt_recv, cnt.view(ep, n_local).contiguous(), group=self.ep_group)
@@ -189,16 +201,12 @@ class MoE(nn.Module):
             x_recv = comm.all_to_all(x_recv.repeat(etp, 1), sizes, [x_recv.shape[0]] * etp, self.etp_group)
         perm = _source_to_expert_order(cnt_src, int(src_h.sum()))
         inv_perm = inverse_permutation(perm)
-        y_exp = experts(permute_rows(x_recv, perm, inv_perm), src_h.sum((0, 1)).tolist())
+        y_exp = experts(permute_rows(x_recv, perm, inv_perm), cnt_src.sum(0))
         y_recv = permute_rows(y_exp, inv_perm, perm)
         if etp > 1:  # sum the ffn-slice partials and keep own rows (the adjoint of the gather above)
             n_own = sum(out_splits)
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
-        y_back = comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
-        # back to (token, k) order, then the weighted sum over k (an elementwise pass; a batched GEMM with
-        # k-wide matrices measured 10x slower)
-        y_TKD = permute_rows(y_back, unorder, order).view(T, K, -1)
-        return (y_TKD * topk_w.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        return comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
 
 
 def inverse_permutation(idx):
@@ -237,12 +245,36 @@ class _GatherRouted(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (unorder,) = ctx.saved_tensors
-        return grad[unorder].view(-1, ctx.K, grad.shape[-1]).sum(1), None, None, None
+        ones_TK = grad.new_ones(grad.shape[0] // ctx.K, ctx.K, dtype=torch.float32)
+        return fused.sum_routed(grad.contiguous(), unorder, ones_TK), None, None, None
 
 
 def gather_routed(x_TD, order, K):
     unorder = inverse_permutation(order)
     return _GatherRouted.apply(x_TD, order, unorder, K), unorder
+
+
+class _CombineRouted(torch.autograd.Function):
+    """out[t] = sum_k w[t, k] * y[unorder[t*K + k]] in one pass; both gradients are gathers again (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, y_RD, w_TK, order, unorder):
+        ctx.save_for_backward(y_RD, w_TK, order, unorder)
+        return fused.sum_routed(y_RD, unorder, w_TK)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        y_RD, w_TK, order, unorder = ctx.saved_tensors
+        g_TD = g_TD.contiguous()
+        grad_y = fused.spread_to_routed(g_TD, order, w_TK) if ctx.needs_input_grad[0] else None
+        grad_w = fused.routed_dots(y_RD, unorder, g_TD) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None
+
+
+def combine_routed(y_RD, w_TK, order, unorder):
+    """Routed rows (in `order`, i.e. sorted by expert) back to tokens: the routing-weighted sum over each
+    token's k copies."""
+    return _CombineRouted.apply(y_RD, w_TK, order, unorder)
 
 
 def _source_to_expert_order(cnt_SJ, R):
@@ -313,8 +345,9 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
     keep = (flat >= 0).nonzero().squeeze(1)
     order = keep[torch.argsort(flat[keep], stable=True)]
     rows = order // K
-    h = grouped_mm(recv_x[rows], w_up, list(counts))
-    out = grouped_mm(F.relu(h).square(), w_down, list(counts)) * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
+    counts = torch.tensor(counts)
+    h = grouped_mm(recv_x[rows], w_up, counts)
+    out = grouped_mm(fused.squared_relu(h), w_down, counts) * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
     return torch.zeros_like(recv_x).index_add(0, rows, out)
 
 

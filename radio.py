@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import fused
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -214,8 +215,7 @@ class VisionModel(nn.Module):
     def project(self, x_TX):
         """HF mlp1: RMSNorm (fp32) -> Linear -> squared ReLU -> Linear, no biases (spec §9)."""
         n = self.mlp1["0"]
-        y = F.rms_norm(x_TX.float(), n.normalized_shape, n.weight.float(), n.eps).to(x_TX.dtype)
-        return self.mlp1["3"](torch.relu(self.mlp1["1"](y)).square())
+        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](fused.rms_norm(x_TX, n.weight, n.eps))))
 
     def forward(self, patches, grids):
         """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified per §3); grids: [(h_i, w_i)]

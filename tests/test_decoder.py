@@ -171,7 +171,7 @@ def test_moe_layer_equals_per_token_reference_and_counts():
 
 def test_grouped_mm_loop_handles_empty_groups():
     x, w = torch.randn(7, 4), torch.randn(3, 5, 4)
-    out = moe.grouped_mm(x, w, [3, 0, 4])
+    out = moe.grouped_mm(x, w, torch.tensor([3, 0, 4]))
     torch.testing.assert_close(out, torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T]))
 
 

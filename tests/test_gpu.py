@@ -53,8 +53,8 @@ def test_mamba_kernel_matches_reference_fp32(packed):
 @cuda
 def test_grouped_mm_matches_loop_bf16():
     torch.manual_seed(0)
-    counts = [0, 37, 5, 0, 130, 1, 64, 19]
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.tensor([0, 37, 5, 0, 130, 1, 64, 19], device="cuda")
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(8, 512, 256, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
     y = moe.grouped_mm(x, w, counts)
     g = torch.randn_like(y)
@@ -115,3 +115,40 @@ def test_vision_cuda_attention_path_matches_cpu_fp32():
         outs.append(y.detach().cpu())
         grads.append(m.blocks[0].attn.qkv.weight.grad.cpu())
     assert rel_err(outs[1], outs[0]) < 1e-4 and rel_err(grads[1], grads[0]) < 1e-3
+
+
+@cuda
+def test_fused_kernels_compiled_match_eager():
+    """Each fused.* function: its torch.compile'd CUDA version == the same function run eagerly (bf16 inputs,
+    fp32 math inside both), values and gradients."""
+    import fused
+    torch.manual_seed(0)
+    x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(256, device="cuda")).requires_grad_()
+    for fn, args in ((fused.rms_norm, (x, w, 1e-5)), (fused.squared_relu, (x,))):
+        tensors = [a for a in args if torch.is_tensor(a)]
+        out, ref = fn(*args), fn.__wrapped__(*args)
+        g = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad(out, tensors, g), torch.autograd.grad(ref, tensors, g)):
+            assert rel_err(a, b) < 1e-2, fn.__name__
+        assert rel_err(out, ref) < 1e-2, fn.__name__
+
+    N, V, T, K = 64, 1000, 50, 3
+    logits = torch.randn(N, V, device="cuda").to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    hit = torch.rand(N, device="cuda") > 0.3
+    g = torch.rand(N, device="cuda")
+    lse, pick = fused.logsumexp_and_pick(logits, t)
+    lse_ref, pick_ref = fused.logsumexp_and_pick.__wrapped__(logits, t)
+    assert rel_err(lse, lse_ref) < 1e-6 and rel_err(pick, pick_ref) < 1e-6
+    args = (logits, lse_ref, t, hit, g)
+    assert rel_err(fused.cross_entropy_grad(*args), fused.cross_entropy_grad.__wrapped__(*args)) < 1e-2
+
+    y = torch.randn(T * K, 256, device="cuda", dtype=torch.bfloat16)
+    gt = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(T * K, device="cuda")
+    unorder = moe.inverse_permutation(order)
+    wk = torch.rand(T, K, device="cuda")
+    for fn, args in ((fused.sum_routed, (y, unorder, wk)), (fused.spread_to_routed, (gt, order, wk)),
+                     (fused.routed_dots, (y, unorder, gt))):
+        assert rel_err(fn(*args), fn.__wrapped__(*args)) < 1e-2, fn.__name__

@@ -1,0 +1,77 @@
+"""Memory-bound passes written once in plain PyTorch; on CUDA each runs as one torch.compile'd (Triton) kernel.
+
+Eager PyTorch runs every op of these as its own kernel with a full-size intermediate in device memory (the
+cross-entropy alone wrote and re-read the fp32 logits about ten times). The functions below are the only
+definition of their math: the CPU runs them eagerly, CUDA through torch.compile, and tests/test_gpu.py proves
+the two equal. Nothing here talks to other ranks; callers do the collectives between the pieces.
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def compiled_on_cuda(fn):
+    """fn itself on CPU tensors; its torch.compile'd version (compiled at the first CUDA call) on CUDA tensors."""
+    compiled = torch.compile(fn)
+
+    @functools.wraps(fn)
+    def call(x, *args, **kwargs):
+        return compiled(x, *args, **kwargs) if x.is_cuda else fn(x, *args, **kwargs)
+    return call
+
+
+@compiled_on_cuda
+def rms_norm(x, weight, eps):
+    """RMSNorm in fp32 whatever the activation dtype; the result in the input's dtype."""
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
+@compiled_on_cuda
+def squared_relu(x):
+    return F.relu(x).square()
+
+
+# ---------------------------------------------------------------- cross-entropy on a vocab shard
+
+@compiled_on_cuda
+def logsumexp_and_pick(logits_NV, local_t_N):
+    """Per row: logsumexp of this vocab shard (fp32) and the logit at local_t (the caller masks misses)."""
+    z = logits_NV.float()
+    return torch.logsumexp(z, -1), z.gather(-1, local_t_N[:, None]).squeeze(-1)
+
+
+@compiled_on_cuda
+def cross_entropy_grad(logits_NV, lse_N, local_t_N, hit_N, g_N):
+    """d(loss)/d(logits) = (softmax - onehot(target)) * g per row, in the logits' dtype. lse is the logsumexp
+    over the whole vocab; hit says whether the row's target lies in this shard. The one-hot is a comparison, so
+    the whole gradient is one pointwise pass over the logits."""
+    cols = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
+    onehot = (cols[None, :] == local_t_N[:, None]) & hit_N[:, None]
+    grad = (torch.exp(logits_NV.float() - lse_N[:, None]) - onehot.float()) * g_N[:, None]
+    return grad.to(logits_NV.dtype)
+
+
+# ---------------------------------------------------------------- MoE: routed rows <-> (token, k) order
+
+@compiled_on_cuda
+def sum_routed(y_RD, unorder_R, w_TK):
+    """out[t] = sum_k w[t, k] * y[unorder[t*K + k]]: the routed copies of each token, weighted and summed (fp32
+    accumulation). unorder maps (token, k) to its row in y."""
+    T, K = w_TK.shape
+    y_TKD = y_RD[unorder_R].view(T, K, -1).float()
+    return (y_TKD * w_TK[..., None].float()).sum(1).to(y_RD.dtype)
+
+
+@compiled_on_cuda
+def spread_to_routed(g_TD, order_R, w_TK):
+    """The adjoint of sum_routed in y: row i of the result is w.flat[order[i]] * g[order[i] // K]."""
+    K = w_TK.shape[1]
+    return (g_TD[order_R // K].float() * w_TK.reshape(-1)[order_R][:, None].float()).to(g_TD.dtype)
+
+
+@compiled_on_cuda
+def routed_dots(y_RD, unorder_R, g_TD):
+    """The adjoint of sum_routed in w: [T, K] dot products of each routed copy with its token's gradient."""
+    T = g_TD.shape[0]
+    return (y_RD[unorder_R].view(T, -1, y_RD.shape[-1]).float() * g_TD[:, None, :].float()).sum(-1)

@@ -194,8 +194,8 @@ def main(argv=None):
         if "lm" in results:
             results["speedup_vs_hf"] = results["lm"]["tokens_per_s"] / results["hf_lm"]["tokens_per_s"]
             print(f"speedup vs HF NemotronH: {results['speedup_vs_hf']:.2f}x", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT")  # a copy without .git
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(  # GIT_COMMIT: for a copy of the tree without .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit or None,
             "date": datetime.date.today().isoformat(), "preset": args.preset, "overrides": overrides,
             "batch": args.batch, "seq_len": cfg.seq_len}

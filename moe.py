@@ -159,8 +159,10 @@ class MoE(nn.Module):
         # Bias-influenced choices, counted once per token: not again when activation checkpointing recomputes
         # this forward inside backward (graph task id != -1 only while autograd runs).
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            counted = topk_idx if valid_T is None else topk_idx[valid_T]   # padding is routed, not counted
-            self.gate.tokens_per_expert += torch.bincount(counted.reshape(-1), minlength=self.num_experts).float()
+            K = topk_idx.shape[1]
+            weight = torch.ones(topk_idx.numel(), device=topk_idx.device) if valid_T is None else \
+                valid_T[:, None].expand(-1, K).reshape(-1).float()         # padding is routed, not counted
+            self.gate.tokens_per_expert += count_per_expert(topk_idx.reshape(-1), self.num_experts, weight)
         y_TD = (self.deepep or self._alltoall_dispatch)(x_TD, topk_idx, topk_w, self.experts)
         y_TD = comm.all_gather_dim(y_TD, 0, self.tp_group)
         return y_TD.view(Bsz, L, D) + self.shared_experts(x_BLD)
@@ -171,7 +173,7 @@ class MoE(nn.Module):
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
         x_send, unorder = gather_routed(x_TD, order, K)          # row i = token order[i] // K
-        cnt = torch.bincount(flat, minlength=self.num_experts)
+        cnt = count_per_expert(flat, self.num_experts, torch.ones_like(flat))
         if comm.group_size(self.ep_group) * comm.group_size(self.etp_group) == 1:
             y_back = experts(x_send, cnt)                        # one source: no exchange, no host sync
         else:
@@ -207,6 +209,11 @@ class MoE(nn.Module):
             n_own = sum(out_splits)
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
         return comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
+
+
+def count_per_expert(ids, num_experts, weight):
+    """Sum of `weight` per expert id. index_add, not bincount: bincount on CUDA waits for the GPU to size its output."""
+    return weight.new_zeros(num_experts).index_add_(0, ids, weight)
 
 
 def inverse_permutation(idx):

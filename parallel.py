@@ -384,14 +384,19 @@ def print_ranks(par):
 # concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
 # Backward needs no header: both leaders recorded the per-link row counts in forward.
 #
-# API, one microbatch at a time, strictly alternating (serial schedule D4):
+# API. The encoder runs 1F1B (§6.3 with Pe = Pl = 1): forward m+1 is sent before backward m, so it overlaps the
+# language side's forward+backward of m; at most two microbatches are in flight.
 #   encoder ranks:  rows = encoder(images)                 # [R, D]: this vision lane's samples, in sample order
 #                   bridge.send(rows, rows_per_sample)      # leader sends; every tp rank keeps rows for backward
-#                   ...                                     # (the language side runs forward + backward)
-#                   bridge.backward_encoder()               # receives the gradient, runs rows.backward(grad)
+#                   if bridge.in_flight == 2:
+#                       bridge.backward_encoder()           # oldest microbatch: receive its gradient, rows.backward
+#                   ... after the last microbatch: backward_encoder() while in_flight
 #   language ranks: x, rows_per_sample = bridge.recv()      # [R_lane, D] leaf with requires_grad, same on all tp
 #                   loss = lm(x, ...); loss.backward()
 #                   bridge.send_grad()                      # leader sends x.grad (zeros when None) back
+# Under NCCL, point-to-point operations between two ranks run in the order they were posted on one stream. So the
+# encoder posts the receive of gradient m before the send of microbatch m+1: the language leader sends gradient m
+# before it receives m+1, and the opposite order on the encoder would deadlock once payloads outgrow NCCL's buffers.
 # Colocated: send keeps rows, recv returns that very tensor (autograd flows straight into the encoder), send_grad
 # and backward_encoder do nothing. Text-only microbatches still send one header and one 0-row payload per link.
 
@@ -442,8 +447,14 @@ class Bridge:
         if par.lm is not None:
             self.lm_leader = lanes(lm_grid(self.lay))[par.lm.dp_rank][0]
         self.sent = self.received = 0          # microbatch counters; the index travels in the header as a check
-        self._rows = self._x = self._pass = None
-        self._splits = None                    # rows per link of the pending microbatch (for backward)
+        self._x = self._pass = None
+        self._splits = None                    # language: rows per link of the pending microbatch (for backward)
+        self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
+
+    @property
+    def in_flight(self):
+        """Encoder microbatches sent whose backward has not run yet."""
+        return len(self._flight)
 
     # ---- encoder side ----------------------------------------------------------------------------------------
     def send(self, rows, rows_per_sample):
@@ -451,38 +462,45 @@ class Bridge:
         counts = [int(c) for c in rows_per_sample]
         assert rows.dim() == 2 and len(counts) == self.lay.vision_micro_batch and sum(counts) == rows.shape[0], \
             f"rows {tuple(rows.shape)} do not match rows_per_sample {counts}"
-        assert self._rows is None, "bridge.send twice without backward_encoder"
-        self._rows = rows
+        assert self.in_flight < 2, "bridge.send with two microbatches in flight: run backward_encoder first"
         if self.lay.colocated:
             self._pass = (rows, counts)
+            self._flight.append([rows, None, [], None])
             self.sent += 1
             return
+        if self._flight and self._flight[0][3] is None:
+            self._flight[0][3] = self._post_grad_recv(self._flight[0])   # before this send: see the comment above
         first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
         link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
-        self._splits = [sum(c) for c in link_counts]
-        chunks = rows.detach().split(self._splits) if self.out_links else []
+        splits = [sum(c) for c in link_counts]
+        chunks = [c.contiguous() for c in rows.detach().split(splits)] if self.out_links else []
         reqs = []
         for ln, c, chunk in zip(self.out_links, link_counts, chunks):
             header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
                                   dtype=torch.int64, device=rows.device)
             reqs.append(dist.isend(header, ln.dst_leader, group=self.par.bridge, tag=TAG_HEADER))
-            reqs.append(dist.isend(chunk.contiguous(), ln.dst_leader, group=self.par.bridge, tag=TAG_PAYLOAD))
-        for r in reqs:
-            r.wait()
+            reqs.append(dist.isend(chunk, ln.dst_leader, group=self.par.bridge, tag=TAG_PAYLOAD))
+        self._flight.append([rows, splits, reqs, None])
         self.sent += 1
 
+    def _post_grad_recv(self, entry):
+        rows, splits = entry[0], entry[1]
+        parts = [rows.new_empty(n, rows.shape[1]) for n in splits]
+        return parts, [dist.irecv(p, ln.dst_leader, group=self.par.bridge, tag=TAG_GRAD)
+                       for ln, p in zip(self.out_links, parts)]
+
     def backward_encoder(self):
-        """Receive d(loss)/d(rows), share it in the lane's tp group, run rows.backward(grad). Returns the gradient
-        (None when colocated: the language loss.backward() already reached the encoder)."""
-        rows, self._rows = self._rows, None
-        assert rows is not None, "backward_encoder without send"
+        """For the oldest microbatch in flight: receive d(loss)/d(rows), share it in the lane's tp group, run
+        rows.backward(grad). Returns the gradient (None when colocated: the language loss.backward() already
+        reached the encoder)."""
+        assert self._flight, "backward_encoder without send"
+        entry = self._flight.pop(0)
+        rows, send_reqs, recv = entry[0], entry[2], entry[3]
         if self.lay.colocated:
             return None
         if self.out_links:                     # leader: one slice per link, concatenated in link (= sample) order
-            parts = [rows.new_empty(n, rows.shape[1]) for n in self._splits]
-            reqs = [dist.irecv(p, ln.dst_leader, group=self.par.bridge, tag=TAG_GRAD)
-                    for ln, p in zip(self.out_links, parts)]
-            for r in reqs:
+            parts, recv_reqs = recv if recv is not None else self._post_grad_recv(entry)
+            for r in send_reqs + recv_reqs:
                 r.wait()
             grad = torch.cat(parts)
         else:
@@ -494,8 +512,11 @@ class Bridge:
         return grad
 
     def release(self):
-        """End a forward-only micro-batch (evaluation) on either side: no gradient travels back."""
-        self._rows = self._x = self._pass = None
+        """End forward-only micro-batches (evaluation) on either side: no gradient travels back."""
+        for entry in self._flight:
+            for r in entry[2]:
+                r.wait()
+        self._flight, self._x, self._pass = [], None, None
 
     # ---- language side ---------------------------------------------------------------------------------------
     def recv(self):

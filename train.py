@@ -2,8 +2,10 @@
 
 One step (parallel.md §6-7), every rank running the lines of the module(s) it holds:
   N_global = loss tokens of the whole step (one all-reduce)      -> per-token loss for both modules
-  for each micro-batch:  vision: encode its samples, bridge.send  |  language: bridge.recv, place image rows,
-                         forward, backward(sum of token losses)   |  bridge.send_grad;  vision: backward
+  for each micro-batch:  vision: encode its samples, bridge.send, then the backward of the previous micro-batch
+                         (1F1B: the encoder's forward m+1 overlaps the language side's work on m)
+                         language: bridge.recv, place image rows, forward, backward(sum of token losses), send_grad
+  vision: the last micro-batch's backward
   reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all ranks agree)
   AdamW step, expert-bias update, LR schedule (only after a successful step)
 
@@ -227,6 +229,8 @@ def main(argv=None):
             with autocast:
                 out = vision(patches.to(device), grids)
             bridge.send(out, rows)
+            if train and bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
+                bridge.backward_encoder()
         if lm is not None:
             x, rows = bridge.recv()
             ids, labels, seq_idx, valid = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
@@ -241,8 +245,6 @@ def main(argv=None):
                 s.backward()
                 bridge.send_grad()
             loss_sum = s.detach().float()
-        if vision is not None and train:
-            bridge.backward_encoder()
         if not train:
             bridge.release()
         return loss_sum
@@ -322,6 +324,8 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for k in range(n_micro):
             loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
+        while bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
+            bridge.backward_encoder()
         norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
         counts = None
         if ok:

@@ -364,11 +364,27 @@ def _grads(m, i, n):
 
 
 def _check_bridge(rank, world, layouts, n_micro=3):
+    """Encoder ranks run 1F1B as train.py does: send m+1 before the backward of m."""
     out = []
     for lay in layouts:
         par, inner = setup(lay, TINY), torch.zeros(2, dtype=torch.float64)
         bridge = Bridge(par)
         own = rank_samples(lay, rank)
+        pending = []                                                   # encoder microbatches awaiting backward
+
+        def encoder_backward(m, counts, base, weight, rows):
+            grad = bridge.backward_encoder()
+            expect = torch.cat([_grads(m, i, counts[i]) for i in own["vision"]])
+            if lay.colocated:
+                assert grad is None
+            else:
+                assert torch.equal(grad, expect)                      # same on every encoder tp rank
+                if par.vision.tp_rank == par.vision.tp_size - 1:      # <x, bridge^T(g)>, each lane once
+                    inner[1] += (base.double() * grad.double()).sum()
+            assert_close(weight.grad, (base * expect).sum())
+            if m == 1:                                                # text-only: zero encoder gradient
+                assert rows.shape == (0, HIDDEN) and weight.grad.item() == 0.0
+
         for m in range(n_micro):
             counts = _counts(m, lay.samples_per_microbatch)
             if par.in_vision:
@@ -377,6 +393,10 @@ def _check_bridge(rank, world, layouts, n_micro=3):
                 weight = torch.ones((), requires_grad=True)          # the "encoder parameter"
                 rows = base * weight
                 bridge.send(rows, [counts[i] for i in mine])
+                pending.append((m, counts, base, weight, rows))
+                assert bridge.in_flight == len(pending) <= 2
+                if len(pending) == 2:                                 # 1F1B steady state: backward of m - 1
+                    encoder_backward(*pending.pop(0))
             if par.in_lm:
                 x, got_counts = bridge.recv()
                 lane = own["lm"]
@@ -388,18 +408,9 @@ def _check_bridge(rank, world, layouts, n_micro=3):
                 bridge.send_grad()
                 if par.lm.tp_rank == 0:                               # <bridge(x), g>, each lane once
                     inner[0] += (x.detach().double() * g.double()).sum()
-            if par.in_vision:
-                grad = bridge.backward_encoder()
-                expect = torch.cat([_grads(m, i, counts[i]) for i in mine])
-                if lay.colocated:
-                    assert grad is None
-                else:
-                    assert torch.equal(grad, expect)                      # same on every encoder tp rank
-                    if par.vision.tp_rank == par.vision.tp_size - 1:      # <x, bridge^T(g)>, each lane once
-                        inner[1] += (base.double() * grad.double()).sum()
-                assert_close(weight.grad, (base * expect).sum())
-                if m == 1:                                                # text-only: zero encoder gradient
-                    assert rows.shape == (0, HIDDEN) and weight.grad.item() == 0.0
+        while pending:                                                # cool-down
+            encoder_backward(*pending.pop(0))
+        assert bridge.in_flight == 0
         dist.all_reduce(inner)
         if not lay.colocated:
             assert abs(inner[0] - inner[1]) < 1e-9 * max(1.0, abs(inner[0].item())), inner   # adjointness

@@ -227,7 +227,7 @@ def main(argv=None):
             own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
             patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
             with autocast:
-                out = vision(patches.to(device), grids)
+                out = vision(model.host_to_device(patches, device), grids)
             bridge.send(out, rows)
             if train and bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
                 bridge.backward_encoder()
@@ -235,11 +235,10 @@ def main(argv=None):
             x, rows = bridge.recv()
             ids, labels, seq_idx, valid = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
                                                                                                 par.lm.dp_rank)])
-            ids, labels = ids.to(device), labels.to(device)
-            seq_idx = seq_idx if seq_idx is None else seq_idx.to(device)  # packed rows: document ids
-            valid = valid if valid is None else valid.to(device)          # padded rows: real tokens
-            with autocast:
-                h = model.place_images(lm.embed(ids), ids, x, rows, cfg.image_token_id)
+            ids_dev, labels, seq_idx, valid = (None if t is None else model.host_to_device(t, device)
+                                               for t in (ids, labels, seq_idx, valid))
+            with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
+                h = model.place_images(lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
                 s, _ = lm.loss_sum(lm(h, seq_idx, valid), labels)
             if train:
                 s.backward()

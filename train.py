@@ -32,6 +32,7 @@ import data
 import model
 import moe
 import parallel
+from bridge import Bridge
 from radio import VisionModel
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
@@ -216,7 +217,7 @@ def main(argv=None):
     workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
     train_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels, workers)
     eval_loader = data.Loader(eval_data, own, lay.samples_per_microbatch, pixels) if eval_data is not None else None
-    bridge = parallel.Bridge(par, device)
+    bridge = Bridge(par, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def microbatch(ds, first, train):

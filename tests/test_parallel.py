@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 import config
 from comm import mark_shard, shard
-from parallel import (Bridge, Grid, Layout, bridge_links, check_layout, expert_grid, finalize_gradients,
-                      global_grad_norm, global_token_count, lane_samples, lanes, lm_grid, plan_layout,
-                      reduce_gradients, setup, vision_grid)
+from bridge import Bridge, bridge_links
+from parallel import (Grid, Layout, check_layout, expert_grid, finalize_gradients, global_grad_norm,
+                      global_token_count, lane_samples, lanes, lm_grid, plan_layout, reduce_gradients, setup,
+                      vision_grid)
 from tests.spawn import run_distributed
 
 BIG = config.Config()                       # 32 heads, 8 KV heads, 64 Mamba heads, 8 groups, 128 experts

@@ -1,0 +1,204 @@
+"""The encoder -> language bridge (spec: shared/spec/parallel.md §5, §6.3): encoder rows to the language lanes that
+own their samples, gradients back, run as 1F1B on the encoder. Layout, grids and lanes come from parallel.py.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel import lane_samples, lanes, lm_grid, vision_grid
+
+# A global microbatch holds mbs * lm_dp samples. Language lane j owns [j*mbs, (j+1)*mbs); vision lane e owns the
+# contiguous share [e*s, (e+1)*s), s = mbs*lm_dp/vision_dp. A link joins every (vision lane, language lane) pair
+# whose shares overlap and carries exactly the overlap: fan-out (vision lane e feeds language lanes [e*k,(e+1)*k)),
+# fan-in (language lane j gets vision lanes [j*k,(j+1)*k) in lane order) and 1:1 all fall out of that one rule.
+#
+# Encoder rows are [rows, D] with a variable row count per sample (dynamic resolution; 0 for text-only samples).
+# The encoder lane leader (its LAST tp rank) sends each link a header int64[microbatch, dtype, rows, D, rows of each
+# sample] and then the payload, point to point over the bridge group. The language lane leader (tp rank 0) receives
+# its links in lane order, concatenates, and broadcasts header and payload in its lane's tp group. Backward runs the
+# same links in reverse: the language leader sends each link its slice of the gradient, the encoder leader
+# concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
+# Backward needs no header: both leaders recorded the per-link row counts in forward.
+#
+# API. The encoder runs 1F1B (§6.3 with Pe = Pl = 1): forward m+1 is sent before backward m, so it overlaps the
+# language side's forward+backward of m; at most two microbatches are in flight.
+#   encoder ranks:  rows = encoder(images)                 # [R, D]: this vision lane's samples, in sample order
+#                   bridge.send(rows, rows_per_sample)      # leader sends; every tp rank keeps rows for backward
+#                   if bridge.in_flight == 2:
+#                       bridge.backward_encoder()           # oldest microbatch: receive its gradient, rows.backward
+#                   ... after the last microbatch: backward_encoder() while in_flight
+#   language ranks: x, rows_per_sample = bridge.recv()      # [R_lane, D] leaf with requires_grad, same on all tp
+#                   loss = lm(x, ...); loss.backward()
+#                   bridge.send_grad()                      # leader sends x.grad (zeros when None) back
+# Under NCCL, point-to-point operations between two ranks run in the order they were posted on one stream. So the
+# encoder posts the receive of gradient m before the send of microbatch m+1: the language leader sends gradient m
+# before it receives m+1, and the opposite order on the encoder would deadlock once payloads outgrow NCCL's buffers.
+# Colocated: send keeps rows, recv returns that very tensor (autograd flows straight into the encoder), send_grad
+# and backward_encoder do nothing. Text-only microbatches still send one header and one 0-row payload per link.
+
+
+@dataclass(frozen=True)
+class Link:
+    src_lane: int
+    dst_lane: int
+    src_leader: int                  # global rank: the vision lane's last tp rank
+    dst_leader: int                  # global rank: the language lane's tp rank 0
+    samples: range                   # sample indices within the global microbatch
+
+
+def bridge_links(lay):
+    """The comm map (§5.3): every link, ordered by language lane then vision lane (= by vision lane, then language)."""
+    src, dst = lanes(vision_grid(lay)), lanes(lm_grid(lay))
+    links = []
+    for j, dst_ranks in enumerate(dst):
+        for e, src_ranks in enumerate(src):
+            a, b = lane_samples(lay, "vision", e), lane_samples(lay, "lm", j)
+            lo, hi = max(a.start, b.start), min(a.stop, b.stop)
+            if lo < hi:
+                links.append(Link(e, j, src_ranks[-1], dst_ranks[0], range(lo, hi)))
+    return links
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)   # header code = index
+TAG_HEADER, TAG_PAYLOAD, TAG_GRAD = 101, 102, 103                       # distinct tags: payloads never cross
+
+
+class Bridge:
+    """One per rank (any role); the API is in the comment above. `device`: where received tensors live (the
+    local cuda device under NCCL)."""
+
+    def __init__(self, par, device="cpu"):
+        self.par, self.lay, self.device = par, par.layout, torch.device(device)
+        links = [] if self.lay.colocated else bridge_links(self.lay)
+        self.out_links = [ln for ln in links if ln.src_leader == par.rank]   # non-empty on encoder leaders only
+        self.in_links = [ln for ln in links if ln.dst_leader == par.rank]    # non-empty on language leaders only
+        if par.vision is not None:
+            self.vision_leader = lanes(vision_grid(self.lay))[par.vision.dp_rank][-1]
+            self.vision_first = lane_samples(self.lay, "vision", par.vision.dp_rank).start
+        if par.lm is not None:
+            self.lm_leader = lanes(lm_grid(self.lay))[par.lm.dp_rank][0]
+        self.sent = self.received = 0          # microbatch counters; the index travels in the header as a check
+        self._x = self._pass = None
+        self._splits = None                    # language: rows per link of the pending microbatch (for backward)
+        self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
+
+    @property
+    def in_flight(self):
+        """Encoder microbatches sent whose backward has not run yet."""
+        return len(self._flight)
+
+    # ---- encoder side ----------------------------------------------------------------------------------------
+    def send(self, rows, rows_per_sample):
+        """Hand this vision lane's rows [R, D] (samples in order, `rows_per_sample` rows each) to the language side."""
+        counts = [int(c) for c in rows_per_sample]
+        assert rows.dim() == 2 and len(counts) == self.lay.vision_micro_batch and sum(counts) == rows.shape[0], \
+            f"rows {tuple(rows.shape)} do not match rows_per_sample {counts}"
+        assert self.in_flight < 2, "bridge.send with two microbatches in flight: run backward_encoder first"
+        if self.lay.colocated:
+            self._pass = (rows, counts)
+            self._flight.append([rows, None, [], None])
+            self.sent += 1
+            return
+        if self._flight and self._flight[0][3] is None:
+            self._flight[0][3] = self._post_grad_recv(self._flight[0])   # before this send: see the comment above
+        first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
+        link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
+        splits = [sum(c) for c in link_counts]
+        chunks = [c.contiguous() for c in rows.detach().split(splits)] if self.out_links else []
+        reqs = []
+        for ln, c, chunk in zip(self.out_links, link_counts, chunks):
+            header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
+                                  dtype=torch.int64, device=rows.device)
+            reqs.append(dist.isend(header, ln.dst_leader, group=self.par.bridge, tag=TAG_HEADER))
+            reqs.append(dist.isend(chunk, ln.dst_leader, group=self.par.bridge, tag=TAG_PAYLOAD))
+        self._flight.append([rows, splits, reqs, None])
+        self.sent += 1
+
+    def _post_grad_recv(self, entry):
+        rows, splits = entry[0], entry[1]
+        parts = [rows.new_empty(n, rows.shape[1]) for n in splits]
+        return parts, [dist.irecv(p, ln.dst_leader, group=self.par.bridge, tag=TAG_GRAD)
+                       for ln, p in zip(self.out_links, parts)]
+
+    def backward_encoder(self):
+        """For the oldest microbatch in flight: receive d(loss)/d(rows), share it in the lane's tp group, run
+        rows.backward(grad). Returns the gradient (None when colocated: the language loss.backward() already
+        reached the encoder)."""
+        assert self._flight, "backward_encoder without send"
+        entry = self._flight.pop(0)
+        rows, send_reqs, recv = entry[0], entry[2], entry[3]
+        if self.lay.colocated:
+            return None
+        if self.out_links:                     # leader: one slice per link, concatenated in link (= sample) order
+            parts, recv_reqs = recv if recv is not None else self._post_grad_recv(entry)
+            for r in send_reqs + recv_reqs:
+                r.wait()
+            grad = torch.cat(parts)
+        else:
+            grad = rows.new_empty(rows.shape)
+        if dist.get_world_size(self.par.vision.tp) > 1:
+            dist.broadcast(grad, src=self.vision_leader, group=self.par.vision.tp)
+        if rows.requires_grad:
+            rows.backward(grad)
+        return grad
+
+    def release(self):
+        """End forward-only micro-batches (evaluation) on either side: no gradient travels back."""
+        for entry in self._flight:
+            for r in entry[2]:
+                r.wait()
+        self._flight, self._x, self._pass = [], None, None
+
+    # ---- language side ---------------------------------------------------------------------------------------
+    def recv(self):
+        """This language lane's rows [R_lane, D] (a leaf requiring grad, identical on every tp rank) and the row
+        count of each of its micro_batch samples."""
+        assert self._x is None, "bridge.recv twice without send_grad"
+        if self.lay.colocated:
+            (rows, counts), self._pass = self._pass, None
+            self.received += 1
+            return rows, counts
+        if self.in_links:                      # leader: all headers, then all payloads, links in lane order
+            headers = [torch.empty(4 + len(ln.samples), dtype=torch.int64, device=self.device) for ln in self.in_links]
+            reqs = [dist.irecv(h, ln.src_leader, group=self.par.bridge, tag=TAG_HEADER)
+                    for ln, h in zip(self.in_links, headers)]
+            for r in reqs:
+                r.wait()
+            heads = [h.tolist() for h in headers]
+            assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
+            code, hidden = heads[0][1], heads[0][3]
+            parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
+            reqs = [dist.irecv(p, ln.src_leader, group=self.par.bridge, tag=TAG_PAYLOAD)
+                    for ln, p in zip(self.in_links, parts)]
+            for r in reqs:
+                r.wait()
+            x = torch.cat(parts)
+            self._splits = [h[2] for h in heads]
+            header = torch.tensor([self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]],
+                                  dtype=torch.int64, device=self.device)
+        else:
+            header = torch.empty(4 + self.lay.micro_batch, dtype=torch.int64, device=self.device)
+        tp = self.par.lm.tp
+        if dist.get_world_size(tp) > 1:        # the leader shares header and payload with its tp partners
+            dist.broadcast(header, src=self.lm_leader, group=tp)
+            if not self.in_links:
+                _, code, n, hidden = header[:4].tolist()
+                x = torch.empty(n, hidden, dtype=DTYPES[code], device=self.device)
+            dist.broadcast(x, src=self.lm_leader, group=tp)
+        self.received += 1
+        self._x = x.requires_grad_(True)
+        return self._x, header[4:].tolist()
+
+    def send_grad(self):
+        """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none)."""
+        x, self._x = self._x, None
+        if self.lay.colocated:
+            return
+        assert x is not None, "send_grad without recv"
+        if self.in_links:
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            reqs = [dist.isend(g.contiguous(), ln.src_leader, group=self.par.bridge, tag=TAG_GRAD)
+                    for ln, g in zip(self.in_links, grad.detach().split(self._splits))]
+            for r in reqs:
+                r.wait()

@@ -6,6 +6,9 @@ Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autoc
   vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
   moe     one MoE layer fwd+bwd, against two dense bf16 GEMMs (fwd+bwd) with the routed experts' FLOPs
   mamba   one Mamba2 layer fwd+bwd
+  bridge  (torchrun, a hetero layout given by --train-args) train.py's own steps with the mock images, then the same
+          steps with every sample text-only (the encoder sends 0-row payloads): the encoder's and the bridge's
+          overhead on the language step, with images / text-only - 1. Step 1 (compilation) is left out.
   --vs-hf the same language config through transformers' NemotronHForCausalLM (bf16, SDPA, grouped_mm experts,
           mamba kernels), in the same process: both figures and the ratio.
 FLOPs come from model.lm_flops_per_token / vision_flops (formulas in model.py). The last line is one JSON object;
@@ -115,6 +118,8 @@ def bench_layer(kind, cfg, args, dev, peak):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             y = layer.mixer(x)
         y.float().square().mean().backward()
+        layer.zero_grad(set_to_none=True)  # as a training step starts: gradients are written, not accumulated
+        x.grad = None
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     T, D = args.batch * cfg.seq_len, cfg.hidden_size
@@ -134,6 +139,7 @@ def bench_layer(kind, cfg, args, dev, peak):
 
         def dense():
             ((a @ w1) @ w2).backward(g)
+            a.grad = w1.grad = w2.grad = None
 
         ddt, _ = timed(dense, args.iters, args.warmup)
         dense_tflops = 6 * T * k * 2 * D * F_ / ddt / 1e12
@@ -161,6 +167,26 @@ def bench_vision(cfg, args, dev, peak):
     return out
 
 
+def bench_bridge(args, rest):
+    import shlex
+    import torch.distributed as dist
+    import train
+    if int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        raise SystemExit("--parts bridge needs a hetero layout: torchrun --nproc_per_node=2 (or more) bench.py ...")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # one group for both runs
+    argv = ["--preset", args.preset, "--steps", str(args.iters + 1), *shlex.split(args.train_args), *rest]
+    times = {}
+    for name, extra in (("with_images", []), ("text_only", ["--mock-text-only-frac", "1.0"])):
+        history, _ = train.main(argv + extra)
+        times[name] = sum(h["step_time_s"] for h in history[1:]) / (len(history) - 1)
+    out = {"part": "bridge", "with_images_s": times["with_images"], "text_only_s": times["text_only"],
+           "overhead": times["with_images"] / times["text_only"] - 1, "world": dist.get_world_size()}
+    dist.destroy_process_group()
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="20l")
@@ -171,6 +197,8 @@ def main(argv=None):
     p.add_argument("--vs-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one lm fwd+bwd")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
+    p.add_argument("--train-args", default="", help="bridge part: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
+                   "--mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
     overrides = {rest[i][2:].replace("-", "_"): rest[i + 1] for i in range(0, len(rest), 2)}
     cfg = config.resolve(args.preset, overrides)
@@ -179,8 +207,17 @@ def main(argv=None):
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {}
-    for part in args.parts.split(","):
-        if part in ("lm", "step"):
+    parts = args.parts.split(",")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and parts != ["bridge"]:
+        raise SystemExit("under torchrun only --parts bridge runs; the other parts measure one process on one GPU")
+    for part in parts:
+        if part == "bridge":
+            results[part] = bench_bridge(args, rest)
+            if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:  # the last rank (language) reports
+                return results
+            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                             for k, v in results[part].items()), flush=True)
+        elif part in ("lm", "step"):
             results[part] = bench_lm(cfg, args, dev, peak, with_step=part == "step")
         elif part in ("moe", "mamba"):
             results[part] = bench_layer("E" if part == "moe" else "M", cfg, args, dev, peak)

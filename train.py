@@ -348,7 +348,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         history.append({"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr,
-                        "ok": ok})
+                        "ok": ok, "step_time_s": dt})
         stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
         dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
         log_now = step % args.log_every == 0 or step == args.steps - 1

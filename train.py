@@ -219,6 +219,11 @@ def main(argv=None):
     eval_loader = data.Loader(eval_data, own, lay.samples_per_microbatch, pixels) if eval_data is not None else None
     bridge = Bridge(par, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    # Model FLOPs of the step's training micro-batches, counted by each module's tp rank 0 of every lane from the
+    # images and tokens it actually processed (summed over ranks when logged: MFU).
+    tower_trains = vision is not None and any(p.requires_grad for n, p in vision.named_parameters() if "mlp1" not in n)
+    lm_flops_per_token = model.lm_flops_per_token(cfg, cfg.seq_len)
+    counted = {"flops": 0}
 
     def microbatch(ds, first, train):
         """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
@@ -229,6 +234,8 @@ def main(argv=None):
             patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
             with autocast:
                 out = vision(model.host_to_device(patches, device), grids)
+            if train and par.vision.tp_rank == 0:
+                counted["flops"] += model.vision_flops(cfg, grids, tower_trains)
             bridge.send(out, rows)
             if train and bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
                 bridge.backward_encoder()
@@ -244,6 +251,8 @@ def main(argv=None):
             if train:
                 s.backward()
                 bridge.send_grad()
+                if par.lm.tp_rank == 0:
+                    counted["flops"] += ids.numel() * lm_flops_per_token
             loss_sum = s.detach().float()
         if not train:
             bridge.release()
@@ -297,10 +306,6 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter  # optional dependency
         tb = SummaryWriter(args.tensorboard)
     tokens_per_step = args.global_batch * cfg.seq_len
-    grids_per_sample = [(cfg.mock_image_size // cfg.vit_patch,) * 2]
-    step_flops = args.global_batch * (cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) + model.vision_flops(
-        cfg, grids_per_sample, any(p.requires_grad for n, p in vision.named_parameters() if "mlp1" not in n)
-        if vision is not None else False))
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
                 None)
     good_steps, consumed, skipped = counters["good_steps"], counters["consumed_samples"], counters["skipped"]
@@ -322,6 +327,7 @@ def main(argv=None):
         if lm is not None:
             moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
         loss_sum = torch.zeros((), device=device)
+        counted["flops"] = 0
         for k in range(n_micro):
             loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
         while bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
@@ -352,11 +358,13 @@ def main(argv=None):
         stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
         dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
         log_now = step % args.log_every == 0 or step == args.steps - 1
-        mem_per_rank = [None] * world
-        if log_now:  # every rank's peak, so a hetero run shows both grids
-            dist.all_gather_object(mem_per_rank, round(peak_memory_gib(device), 2))
+        per_rank = [(None, 0)] * world
+        if log_now:  # every rank's peak memory, so a hetero run shows both grids, and its counted FLOPs
+            dist.all_gather_object(per_rank, (round(peak_memory_gib(device), 2), counted["flops"]))
+            history[-1]["model_flops"] = sum(f for _, f in per_rank)
+        mem_per_rank = [m for m, _ in per_rank]
         if log_rank and log_now:
-            tflops = step_flops / dt / world / 1e12
+            tflops = history[-1]["model_flops"] / dt / world / 1e12
             rec = {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "skipped": skipped,
                    "consumed_samples": consumed, "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt,
                    "tokens_per_s_per_gpu_lm": tokens_per_step / dt / lay.lm_size,

@@ -88,8 +88,8 @@ def bench_lm(cfg, args, dev, peak, with_step):
 
 def bench_hf(cfg, args, dev, peak):
     from transformers import NemotronHConfig, NemotronHForCausalLM
-    import checkpoint
-    hf_cfg = NemotronHConfig(**checkpoint.hf_config(cfg), attn_implementation="sdpa",
+    from hf_interop import hf_config
+    hf_cfg = NemotronHConfig(**hf_config(cfg), attn_implementation="sdpa",
                              experts_implementation="grouped_mm")
     hf = NemotronHForCausalLM(hf_cfg).to(dev, torch.bfloat16).train()
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)

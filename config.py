@@ -64,6 +64,14 @@ class Config:
     reference_world: int = 8                 # the layout above applies when WORLD_SIZE equals this
 
 
+# The language model's shape: the fields an HF nemotron_h config carries (hf_interop.py renames norm_eps, init_std).
+LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "n_groups",
+                   "ssm_state_size", "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
+                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "intermediate_size",
+                   "routed_scaling_factor", "norm_eps", "init_std")
+
+
 VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 2x2 pixel shuffle)
     "tiny": dict(vit_hidden=32, vit_depth=2, vit_heads=4, vit_mlp=64, projector_hidden=128, vit_cpe_grid=16),
     "vit-b": dict(vit_hidden=768, vit_depth=12, vit_heads=12, vit_mlp=3072, projector_hidden=12288),

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import checkpoint
 import comm
 import config
+import hf_interop
 import model
 import parallel
 import radio
@@ -93,7 +94,7 @@ CRASH = r"""
 import sys, time
 sys.path.insert(0, {root!r})
 import checkpoint, train
-write, calls = checkpoint._write, []
+write, calls = checkpoint.write_atomic, []
 def hang_midway(path, obj):
     if "step_00000002" in path and path.endswith(".safetensors"):
         calls.append(path)
@@ -101,7 +102,7 @@ def hang_midway(path, obj):
             open({marker!r}, "w").close()
             time.sleep(600)
     write(path, obj)
-checkpoint._write = hang_midway
+checkpoint.write_atomic = hang_midway
 train.main({argv!r})
 """
 
@@ -219,15 +220,15 @@ def test_errors_name_file_and_tensor(sharded, tmp_path):
 def test_export_hf_of_sharded_checkpoint(sharded, tmp_path):
     save, _ = sharded
     out = str(tmp_path / "hf")
-    checkpoint.main(["export-hf", "--load", save, "--out", out])
+    hf_interop.main(["export-hf", "--load", save, "--out", out])
     cfg, full = checkpoint.load_model(save)
-    vision = load_file(os.path.join(out, checkpoint.VISION_NAME))
+    vision = load_file(os.path.join(out, hf_interop.VISION_NAME))
     assert "vision_model.radio_model.model.patch_generator.embedder.weight" in vision
     assert {"mlp1.0.weight", "mlp1.1.weight", "mlp1.3.weight"} <= set(vision)
     assert_same(vision, {radio.hf_name(k[len("vision."):]): v for k, v in full.items() if k.startswith("vision.")})
-    cfg2, lm = checkpoint.import_hf(out)
+    cfg2, lm = hf_interop.import_hf(out)
     assert_same(lm, checkpoint.language_state_dict(full))
-    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in checkpoint.LANGUAGE_FIELDS)
+    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in config.LANGUAGE_FIELDS)
 
 
 def test_eval_only_prints_json_last(sharded):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import config
+import hf_interop
 import model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,15 +100,15 @@ def test_errors_name_file_and_tensor(tmp_path):
 
 # ---------------------------------------------------------------- HF export / import round trip
 
-@pytest.mark.parametrize("max_shard_bytes", [checkpoint.DEFAULT_SHARD_BYTES, 40_000])
+@pytest.mark.parametrize("max_shard_bytes", [hf_interop.DEFAULT_SHARD_BYTES, 40_000])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     cfg, lm = build_lm(**VARIANTS[variant])
     sd = lm.state_dict()
-    checkpoint.export_hf(cfg, sd, tmp_path, max_shard_bytes=max_shard_bytes)
+    hf_interop.export_hf(cfg, sd, tmp_path, max_shard_bytes=max_shard_bytes)
     files = sorted(os.listdir(tmp_path))
     hf_keys = {}
-    if max_shard_bytes == checkpoint.DEFAULT_SHARD_BYTES:
+    if max_shard_bytes == hf_interop.DEFAULT_SHARD_BYTES:
         assert files == ["config.json", "model.safetensors"]
         hf_keys = load_file(tmp_path / "model.safetensors")
     else:
@@ -141,15 +142,15 @@ def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     assert hf_cfg["initializer_range"] == cfg.init_std and hf_cfg["layer_norm_epsilon"] == cfg.norm_eps
     assert hf_cfg["time_step_min"] == 0.001 and hf_cfg["torch_dtype"] == "float32"
 
-    cfg2, sd2 = checkpoint.import_hf(tmp_path)
+    cfg2, sd2 = hf_interop.import_hf(tmp_path)
     assert_same_tensors(dict(sd), sd2)
-    for field in checkpoint.LANGUAGE_FIELDS:
+    for field in config.LANGUAGE_FIELDS:
         assert getattr(cfg2, field) == getattr(cfg, field), field
 
 
 def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
     cfg, lm = build_lm()
-    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path, dtype=torch.bfloat16)
+    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path, dtype=torch.bfloat16)
     t = load_file(tmp_path / "model.safetensors")
     assert t["backbone.embeddings.weight"].dtype == torch.bfloat16
     assert t["backbone.layers.1.mixer.gate.e_score_correction_bias"].dtype == torch.float32
@@ -158,24 +159,24 @@ def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
 
 def test_import_strictness(tmp_path):
     cfg, lm = build_lm()
-    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path)
+    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path)
     path = tmp_path / "model.safetensors"
     t = load_file(path)
     t["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(2, 2)   # MTP head: ignored, like HF does
     save_file(t, path)
-    checkpoint.import_hf(tmp_path)
+    hf_interop.import_hf(tmp_path)
     t["backbone.layers.0.mixer.bogus"] = torch.zeros(2)
     save_file(t, path)
     with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor backbone\.layers\.0\.mixer\.bogus"):
-        checkpoint.import_hf(tmp_path)
+        hf_interop.import_hf(tmp_path)
     del t["backbone.layers.0.mixer.bogus"], t["backbone.layers.4.mixer.experts.5.down_proj.weight"]
     save_file(t, path)
     with pytest.raises(ValueError, match=r"backbone\.layers\.4\.mixer\.experts\.5\.down_proj\.weight missing"):
-        checkpoint.import_hf(tmp_path)
+        hf_interop.import_hf(tmp_path)
     t["backbone.layers.4.mixer.experts.5.down_proj.weight"] = torch.zeros(3, 3)
     save_file(t, path)
     with pytest.raises(ValueError, match=r"experts\.5\.down_proj\.weight has shape \[3, 3\], expected \[64, 32\]"):
-        checkpoint.import_hf(tmp_path)
+        hf_interop.import_hf(tmp_path)
 
     hf = json.loads((tmp_path / "config.json").read_text())
     for bad, match in [(dict(n_group=2), "n_group=2"), (dict(mamba_proj_bias=True), "mamba_proj_bias=True"),
@@ -183,7 +184,7 @@ def test_import_strictness(tmp_path):
                        (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
                        (dict(tie_word_embeddings=True), "tie_word_embeddings")]:
         with pytest.raises(ValueError, match=match):
-            checkpoint.config_from_hf({**hf, **bad})
+            hf_interop.config_from_hf({**hf, **bad})
 
 
 # ---------------------------------------------------------------- transformers parity
@@ -193,7 +194,7 @@ def test_import_strictness(tmp_path):
 def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
     transformers = pytest.importorskip("transformers")
     cfg, lm = build_lm(hf_ready=True, **VARIANTS[variant])
-    checkpoint.export_hf(cfg, lm.state_dict(), tmp_path, max_shard_bytes=100_000)   # sharded: HF reads the index
+    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path, max_shard_bytes=100_000)   # sharded: HF reads the index
     hf, info = transformers.NemotronHForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, dtype=torch.float32, attn_implementation=attn)
     assert all(len(v) == 0 for v in info.values()), info
@@ -235,7 +236,7 @@ def test_import_of_transformers_save_pretrained(tmp_path):
     assert "backbone.layers.2.mixer.experts.7.up_proj.weight" in written
     assert "hybrid_override_pattern" not in json.loads((tmp_path / "config.json").read_text())
 
-    cfg, sd = checkpoint.import_hf(tmp_path)
+    cfg, sd = hf_interop.import_hf(tmp_path)
     assert cfg.hybrid_override_pattern == "M*EM-E" and cfg.moe_shared_expert_intermediate_size == 48
     assert cfg.init_std == 0.02 and cfg.intermediate_size == 40
     lm = model.LanguageModel(cfg)
@@ -256,15 +257,15 @@ def test_cli_export_then_import(tmp_path):
     sd = {"language." + k: v for k, v in lm.state_dict().items()}
     sd["vision.embedder.weight"] = torch.randn(4, 4)          # exported apart, under its HF Nemotron-VL name
     checkpoint.save_model(tmp_path / "ckpt", cfg, sd)
-    run = lambda *a: subprocess.run([sys.executable, "checkpoint.py", *a], cwd=ROOT, check=True,
+    run = lambda *a: subprocess.run([sys.executable, "hf_interop.py", *a], cwd=ROOT, check=True,
                                     capture_output=True, text=True)
     run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--max-shard-bytes", "50000")
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    vision = load_file(tmp_path / "hf" / checkpoint.VISION_NAME)
+    vision = load_file(tmp_path / "hf" / hf_interop.VISION_NAME)
     assert_same_tensors(vision, {"vision_model.radio_model.model.patch_generator.embedder.weight":
                                  sd["vision.embedder.weight"]})
     run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
     cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
     assert_same_tensors(dict(lm.state_dict()), checkpoint.language_state_dict(sd2))
     assert all(k.startswith("language.") for k in sd2)
-    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in checkpoint.LANGUAGE_FIELDS)
+    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in config.LANGUAGE_FIELDS)

@@ -447,9 +447,9 @@ def global_token_count(par, local_tokens):
 
 
 def scale_gradients(params, factor):
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and factor != 1.0:
+        torch._foreach_mul_(grads, factor)
 
 
 def _unique_here(p, m):
@@ -471,48 +471,37 @@ def global_grad_norm(par, vision_params=(), lm_params=()):
     The same all-reduce carries a second number, the sum of squares of EVERY local gradient: if any rank holds an
     inf/nan, even in a copy the norm does not count, the result is nan on every rank, so all ranks skip together.
     """
-    counted, seen = [], []
+    counted, copies = [], []               # counted first, so the norm is a prefix of one batched norm
     for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
-        if m is None:
-            continue
-        for p in params:
-            if p.grad is not None:
-                sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double() ** 2
-                seen.append(sq)
-                if _unique_here(p, m):
-                    counted.append(sq)
+        if m is not None:
+            for p in params:
+                if p.grad is not None:
+                    (counted if _unique_here(p, m) else copies).append(p.grad.detach())
     local = torch.zeros(2, dtype=torch.float64, device=_device())
-    if seen:
-        local[0] = torch.stack(counted).sum() if counted else 0.0
-        local[1] = torch.stack(seen).sum()
+    if counted or copies:
+        sq = torch.stack(torch._foreach_norm(counted + copies)).double() ** 2
+        local[0] = sq[:len(counted)].sum()
+        local[1] = sq.sum()
     dist.all_reduce(local)
     total, check = local.tolist()
     return math.sqrt(total) if math.isfinite(total) and math.isfinite(check) else float("nan")
 
 
-def clip_gradients(params, total_norm, max_norm):
-    """Scale by min(1, max_norm / (norm + 1e-6)); every module uses the same global total."""
-    coef = min(1.0, max_norm / (total_norm + 1e-6))
-    if coef < 1.0:
-        scale_gradients(params, coef)
-    return coef
-
-
-def finalize_gradients(par, vision_params, lm_params, n_global, max_norm, bucket_bytes=BUCKET_BYTES):
+def finalize_gradients(par, vision_params, lm_params, n_global, max_norm):
     """The whole post-backward sequence, same WORLD collectives in the same order on every rank (§7.3):
-    DP-reduce each module, divide by N_global (from global_token_count at the start of the step), global norm,
-    then clip or skip. Returns (norm, ok).
+    DP-reduce each module, global norm, then one pass that divides by N_global (from global_token_count at the start
+    of the step) and clips to max_norm, or skip. Returns (norm of the divided gradients, ok).
 
     ok is False on EVERY rank when any rank saw inf/nan: grads are then dropped and the caller skips the step.
     """
     vision_params = list(vision_params) if par.vision is not None else []
     lm_params = list(lm_params) if par.lm is not None else []
-    reduce_gradients(par, vision_params, lm_params, bucket_bytes)
-    scale_gradients(vision_params + lm_params, 1.0 / max(n_global, 1))
-    norm = global_grad_norm(par, vision_params, lm_params)
+    reduce_gradients(par, vision_params, lm_params)
+    n = max(n_global, 1)
+    norm = global_grad_norm(par, vision_params, lm_params) / n   # the norm scales with the gradients
     ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
     if ok:
-        clip_gradients(vision_params + lm_params, norm, max_norm)
+        scale_gradients(vision_params + lm_params, min(1.0, max_norm / (norm + 1e-6)) / n)
     else:
         for p in vision_params + lm_params:
             p.grad = None

@@ -30,8 +30,8 @@ class Router(nn.Module):
     def forward(self, x_BLD, valid_BL=None):
         """-> topk ids [B*L, K] (int64), routing weights [B*L, K] (fp32, differentiable)."""
         Bsz, L, _ = x_BLD.shape
-        logits = F.linear(x_BLD.reshape(Bsz * L, -1).float(), self.weight.float())
-        scores = torch.sigmoid(logits)
+        with torch.autocast(x_BLD.device.type, enabled=False):  # fp32 routing: autocast would run it in bf16
+            scores = torch.sigmoid(F.linear(x_BLD.reshape(Bsz * L, -1).float(), self.weight.float()))
         topk_idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices  # bias: choice only
         picked = scores.gather(-1, topk_idx)
         topk_w = self.scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)

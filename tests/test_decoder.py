@@ -115,6 +115,18 @@ def test_router_hand_computed():
         assert abs(wt.item() - expected[e].item()) < 1e-6
 
 
+def test_router_stays_fp32_under_autocast():
+    cfg = config.resolve("tiny")
+    torch.manual_seed(0)
+    r = moe.Router(cfg)
+    torch.nn.init.normal_(r.weight, std=0.1)
+    x = torch.randn(2, 16, cfg.hidden_size)
+    idx, w = r(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx_ac, w_ac = r(x)
+    assert w_ac.dtype == torch.float32 and torch.equal(idx_ac, idx) and torch.equal(w_ac, w)
+
+
 def test_seq_aux_loss_direct_formula_and_gradient():
     torch.manual_seed(0)
     B, L, E, K, alpha = 2, 5, 4, 2, 1e-2

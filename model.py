@@ -174,10 +174,9 @@ class _VocabParallelCE(torch.autograd.Function):
         if comm.group_size(group) > 1:  # logsumexp of the shards' logsumexps, shifted by the largest
             top = lse.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            sum_exp = torch.exp(lse - top)
-            dist.all_reduce(sum_exp, group=group)
-            lse = top + torch.log(sum_exp)
-            dist.all_reduce(target_logit, group=group)
+            sums = torch.stack([torch.exp(lse - top), target_logit])   # one SUM for both
+            dist.all_reduce(sums, group=group)
+            lse, target_logit = top + torch.log(sums[0]), sums[1]
         valid = targets_N != -100
         ctx.save_for_backward(logits_NV, lse, local_t, inside & valid, valid)
         return (lse - target_logit) * valid

@@ -112,8 +112,12 @@ class Experts(nn.Module):
 
     def forward(self, x_RD, counts):
         """x sorted by local expert, counts [n_local] rows per expert -> partial outputs (summed over etp later)."""
-        h = grouped_mm(x_RD, self.up_proj, counts)
-        return grouped_mm(fused.squared_relu(h), self.down_proj, counts)
+        return expert_ffn(x_RD, self.up_proj, self.down_proj, counts)
+
+
+def expert_ffn(x_RD, w_up, w_down, counts):
+    """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection."""
+    return grouped_mm(fused.squared_relu(grouped_mm(x_RD, w_up, counts)), w_down, counts)
 
 
 def grouped_mm(x_RD, w_GND, counts):
@@ -352,9 +356,8 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
     keep = (flat >= 0).nonzero().squeeze(1)
     order = keep[torch.argsort(flat[keep], stable=True)]
     rows = order // K
-    counts = torch.tensor(counts)
-    h = grouped_mm(recv_x[rows], w_up, counts)
-    out = grouped_mm(fused.squared_relu(h), w_down, counts) * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
+    out = expert_ffn(recv_x[rows], w_up, w_down, torch.tensor(counts))
+    out = out * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
     return torch.zeros_like(recv_x).index_add(0, rows, out)
 
 

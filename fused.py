@@ -8,6 +8,7 @@ the two equal. Nothing here talks to other ranks; callers do the collectives bet
 import functools
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -25,6 +26,18 @@ def compiled_on_cuda(fn):
 def rms_norm(x, weight, eps):
     """RMSNorm in fp32 whatever the activation dtype; the result in the input's dtype."""
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """The module around rms_norm (the decoder's norms, the projector's HF mlp1.0): a weight of ones."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
 
 
 @compiled_on_cuda

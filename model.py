@@ -19,18 +19,9 @@ import torch.nn.functional as F
 
 import comm
 import fused
+from fused import RMSNorm
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

@@ -155,7 +155,7 @@ class VisionModel(nn.Module):
         self.cls_token = nn.Parameter(torch.empty(K, C))             # cls + register tokens, no pos-enc
         self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.vit_depth))
         # HF `mlp1` = Sequential(RMSNorm, Linear, ReLU², Linear): keep its indices 0, 1, 3 as names.
-        self.mlp1 = nn.ModuleDict({"0": nn.RMSNorm(4 * C, eps=1e-5),
+        self.mlp1 = nn.ModuleDict({"0": fused.RMSNorm(4 * C, eps=1e-5),
                                    "1": _linear(4 * C, cfg.projector_hidden, bias=False),
                                    "3": _linear(cfg.projector_hidden, cfg.hidden_size, bias=False)})
         self.reset_parameters()
@@ -214,8 +214,7 @@ class VisionModel(nn.Module):
 
     def project(self, x_TX):
         """HF mlp1: RMSNorm (fp32) -> Linear -> squared ReLU -> Linear, no biases (spec §9)."""
-        n = self.mlp1["0"]
-        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](fused.rms_norm(x_TX, n.weight, n.eps))))
+        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_TX))))
 
     def forward(self, patches, grids):
         """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified per §3); grids: [(h_i, w_i)]

@@ -165,7 +165,8 @@ class Bridge:
                     for ln, h in zip(self.in_links, headers)]
             for r in reqs:
                 r.wait()
-            heads = [h.tolist() for h in headers]
+            flat = torch.cat(headers).cpu()                                 # one device->host copy for all links
+            heads = [h.tolist() for h in flat.split([len(h) for h in headers])]
             assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
             code, hidden = heads[0][1], heads[0][3]
             parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
@@ -175,20 +176,21 @@ class Bridge:
                 r.wait()
             x = torch.cat(parts)
             self._splits = [h[2] for h in heads]
-            header = torch.tensor([self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]],
-                                  dtype=torch.int64, device=self.device)
-        else:
-            header = torch.empty(4 + self.lay.micro_batch, dtype=torch.int64, device=self.device)
+            head = [self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]]
         tp = self.par.lm.tp
         if dist.get_world_size(tp) > 1:        # the leader shares header and payload with its tp partners
+            if self.in_links:
+                header = torch.tensor(head, dtype=torch.int64, device=self.device)
+            else:
+                header = torch.empty(4 + self.lay.micro_batch, dtype=torch.int64, device=self.device)
             dist.broadcast(header, src=self.lm_leader, group=tp)
             if not self.in_links:
-                _, code, n, hidden = header[:4].tolist()
-                x = torch.empty(n, hidden, dtype=DTYPES[code], device=self.device)
+                head = header.tolist()
+                x = torch.empty(head[2], head[3], dtype=DTYPES[head[1]], device=self.device)
             dist.broadcast(x, src=self.lm_leader, group=tp)
         self.received += 1
         self._x = x.requires_grad_(True)
-        return self._x, header[4:].tolist()
+        return self._x, head[4:]
 
     def send_grad(self):
         """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none)."""

@@ -376,5 +376,12 @@ def update_expert_bias(model, rate, group=None):
         dist.all_reduce(counts, group=group)
     for r, n in zip(routers, counts):
         r.e_score_correction_bias += rate * torch.sign(n.mean() - n)
-        r.tokens_per_expert.zero_()
+    discard_expert_counts(model)
     return counts
+
+
+def discard_expert_counts(model):
+    """Start counting afresh: after a bias update, or when a skipped step drops what it counted."""
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.tokens_per_expert.zero_()

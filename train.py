@@ -134,7 +134,7 @@ def memory_estimate(cfg, lay, stage):
     def per_rank(module, tp, ep_etp):
         total = 0
         for name, p in module.named_parameters():
-            kinds = {s[0] for s in getattr(p, "shards", ())}
+            kinds = parallel.shard_kinds(p)
             share = ep_etp if "ep" in kinds else (tp if "tp" in kinds else 1)
             total += p.numel() / share * (16 if p.requires_grad else 4)
         return total
@@ -266,8 +266,9 @@ def main(argv=None):
                    for m in range(n_micro) for i in own)
 
     def reduce_loss(loss_sum):
-        if lm is not None:
-            dist.all_reduce(loss_sum, group=par.lm.dp_cp)
+        if lm is None:
+            return 0.0
+        dist.all_reduce(loss_sum, group=par.lm.dp_cp)
         return loss_sum.item()
 
     def evaluate():
@@ -343,9 +344,7 @@ def main(argv=None):
         else:
             skipped += 1
             if lm is not None:
-                for r in lm.modules():
-                    if isinstance(r, moe.Router):
-                        r.tokens_per_expert.zero_()
+                moe.discard_expert_counts(lm)
         consumed += args.global_batch
         if opt is not None:
             opt.zero_grad(set_to_none=True)
@@ -357,6 +356,7 @@ def main(argv=None):
                         "ok": ok, "step_time_s": dt})
         stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
         dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
+        stopping = bool(stop_now.item())
         log_now = step % args.log_every == 0 or step == args.steps - 1
         per_rank = [(None, 0)] * world
         if log_now:  # every rank's peak memory, so a hetero run shows both grids, and its counted FLOPs
@@ -395,8 +395,8 @@ def main(argv=None):
                 print(f"eval step {step + 1}: loss {eval_loss:.4f} over {eval_tokens} tokens", flush=True)
         if saver is not None:  # --save-every, the last step and a stop signal save; also commits an async save
             saver.after_step(step + 1, dict(step=step + 1, good_steps=good_steps, consumed_samples=consumed,
-                                            skipped=skipped), last=bool(stop_now.item()) or step + 1 == args.steps)
-        if stop_now.item():
+                                            skipped=skipped), last=stopping or step + 1 == args.steps)
+        if stopping:
             if log_rank:
                 print(f"stopping after step {step + 1} on signal", flush=True)
             break

@@ -258,7 +258,8 @@ def save_model(path, cfg, state_dict):
 
 def resolve(path):
     """A save directory (follows `latest`) or a step directory -> the step directory, which must be complete."""
-    step_dir = os.path.join(path, _read_latest(path)) if _read_latest(path) else path
+    latest = _read_latest(path)
+    step_dir = os.path.join(path, latest) if latest else path
     if not os.path.exists(os.path.join(step_dir, META_NAME)):
         raise FileNotFoundError(f"{os.path.join(step_dir, META_NAME)}: missing: {step_dir} is not a complete "
                                 "checkpoint (an interrupted save, or a save directory without `latest`)")
@@ -270,16 +271,10 @@ def saved_config(path, overrides=None):
     path = os.path.join(resolve(path), CONFIG_NAME)
     with open(path) as f:   # a missing file raises FileNotFoundError naming it
         values = json.load(f)
-    fields = {f.name: f for f in dataclasses.fields(config.Config)}
-    if set(values) - set(fields):
-        raise ValueError(f"{path}: unknown config fields {sorted(set(values) - set(fields))}")
-    cfg = config.Config(**values)   # fields added to Config later keep their defaults
-    for k, v in (overrides or {}).items():
-        if k not in fields:
-            raise SystemExit(f"unknown config field {k!r}")
-        setattr(cfg, k, config._parse(fields[k], v))
-    config.check(cfg)
-    return cfg
+    unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
+    if unknown:
+        raise ValueError(f"{path}: unknown config fields {sorted(unknown)}")
+    return config.from_values(values, overrides)
 
 
 class Reader:

@@ -107,20 +107,23 @@ def resolve(preset, overrides=None):
     """Preset name + {field: value-or-string} -> checked Config. Unknown keys name their close matches."""
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    fields = {f.name: f for f in dataclasses.fields(Config)}
     values = dict(PRESETS[preset])
-    overrides = dict(overrides or {})
-    for key in overrides:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=3)
-            raise SystemExit(f"unknown config field {key!r}" + (f"; did you mean {close}?" if close else ""))
-    variant = overrides.get("vision", values.get("vision", Config.vision))
+    variant = (overrides or {}).get("vision", values.get("vision", Config.vision))
     if variant not in VIT_VARIANTS:
         raise SystemExit(f"unknown vision variant {variant!r}; choose from {sorted(VIT_VARIANTS)}")
     values.update(VIT_VARIANTS[variant])
-    for key, value in overrides.items():
-        values[key] = _parse(fields[key], value)
-    cfg = Config(**values)
+    return from_values(values, overrides)
+
+
+def from_values(values, overrides=None):
+    """{field: value} (a preset's, a saved config.json's) + {field: value-or-string} overrides -> checked Config.
+    Fields missing from `values` keep their defaults."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for key in overrides or {}:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            raise SystemExit(f"unknown config field {key!r}" + (f"; did you mean {close}?" if close else ""))
+    cfg = Config(**{**values, **{k: _parse(fields[k], v) for k, v in (overrides or {}).items()}})
     check(cfg)
     return cfg
 
@@ -157,8 +160,3 @@ def check(cfg):
         errors.append("image_token_id must be a valid token id")
     if errors:
         raise SystemExit("bad config: " + "; ".join(errors))
-
-
-def layer_counts(cfg):
-    p = cfg.hybrid_override_pattern
-    return {s: p.count(s) for s in "M*E-"}

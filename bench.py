@@ -26,7 +26,7 @@ import torch
 import config
 import model
 from radio import VisionModel
-from train import PEAK_TFLOPS
+import train
 
 
 def timed(fn, iters, warmup):
@@ -55,8 +55,12 @@ def figures(name, dt, mem, flops, tokens, peak):
            "peak_mem_gib": mem}
     if tokens:
         out["tokens_per_s"] = tokens / dt
-    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()), flush=True)
+    print_row(out)
     return out
+
+
+def print_row(out):
+    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()), flush=True)
 
 
 def bench_lm(cfg, args, dev, peak, with_step):
@@ -71,7 +75,7 @@ def bench_lm(cfg, args, dev, peak, with_step):
         (s / n).backward()
         if opt:
             opt.step()
-        opt.zero_grad(set_to_none=True) if opt else lm.zero_grad(set_to_none=True)
+        lm.zero_grad(set_to_none=True)
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     if args.profile and not with_step:
@@ -82,7 +86,6 @@ def bench_lm(cfg, args, dev, peak, with_step):
     tokens = args.batch * cfg.seq_len
     out = figures("step" if with_step else "lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len),
                   tokens, peak)
-    del lm, opt
     return out
 
 
@@ -101,7 +104,6 @@ def bench_hf(cfg, args, dev, peak):
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     tokens = args.batch * cfg.seq_len
     out = figures("hf_lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len), tokens, peak)
-    del hf
     return out
 
 
@@ -127,9 +129,8 @@ def bench_layer(kind, cfg, args, dev, peak):
         k, F_, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
         flops = 6 * T * (k * 2 * D * F_ + 2 * D * Fs + D * cfg.n_routed_experts)
     else:
-        flops = T * (6 * sum(p.numel() for n, p in layer.named_parameters() if "proj" in n)) + T * (
-            3 * cfg.mamba_num_heads * (cfg.chunk_size * (cfg.ssm_state_size + cfg.mamba_head_dim)
-                                       + 4 * cfg.ssm_state_size * cfg.mamba_head_dim))
+        flops = T * (6 * sum(p.numel() for n, p in layer.named_parameters() if "proj" in n)
+                     + model.ssd_flops_per_token(cfg))
     out = figures("moe" if kind == "E" else "mamba", dt, mem, flops, T, peak)
     if kind == "E" and dev.type == "cuda":  # the routed FLOPs as two plain bf16 GEMMs (no activation): the ceiling
         a = torch.randn(T * k, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -163,14 +164,12 @@ def bench_vision(cfg, args, dev, peak):
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     out = figures("vision", dt, mem, model.vision_flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
-    del vision
     return out
 
 
 def bench_bridge(args, rest):
     import shlex
     import torch.distributed as dist
-    import train
     if int(os.environ.get("WORLD_SIZE", 1)) < 2:
         raise SystemExit("--parts bridge needs a hetero layout: torchrun --nproc_per_node=2 (or more) bench.py ...")
     if torch.cuda.is_available():
@@ -200,11 +199,11 @@ def main(argv=None):
     p.add_argument("--train-args", default="", help="bridge part: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
-    overrides = {rest[i][2:].replace("-", "_"): rest[i + 1] for i in range(0, len(rest), 2)}
+    overrides = train.parse_overrides(rest, p.error)
     cfg = config.resolve(args.preset, overrides)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = train.peak_tflops(dev)
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {}
     parts = args.parts.split(",")
@@ -215,8 +214,7 @@ def main(argv=None):
             results[part] = bench_bridge(args, rest)
             if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:  # the last rank (language) reports
                 return results
-            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                             for k, v in results[part].items()), flush=True)
+            print_row(results[part])
         elif part in ("lm", "step"):
             results[part] = bench_lm(cfg, args, dev, peak, with_step=part == "step")
         elif part in ("moe", "mamba"):

@@ -283,9 +283,13 @@ def lm_flops_per_token(cfg, seq_len):
     matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size)
     n_attn, n_mamba = cfg.hybrid_override_pattern.count("*"), cfg.hybrid_override_pattern.count("M")
     attn = 3 * n_attn * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
+    return matmul + attn + n_mamba * ssd_flops_per_token(cfg)
+
+
+def ssd_flops_per_token(cfg):
+    """Training FLOPs per token of one Mamba layer's SSD (see lm_flops_per_token)."""
     Q, N, P = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
-    ssd = 3 * n_mamba * cfg.mamba_num_heads * (Q * (N + P) + 4 * N * P)
-    return matmul + attn + ssd
+    return 3 * cfg.mamba_num_heads * (Q * (N + P) + 4 * N * P)
 
 
 def vision_flops(cfg, grids, tower_trains):

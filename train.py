@@ -92,18 +92,29 @@ def parse_args(argv=None):
     p.add_argument("--no-load-rng", action="store_true")
     p.add_argument("--eval-only", action="store_true", help="evaluate (the --load checkpoint), print JSON, exit")
     args, rest = p.parse_known_args(argv)
+    return args, parse_overrides(rest, p.error)
+
+
+def parse_overrides(rest, error):
+    """--field value | --field=value (what argparse left over) -> {field: value string} config overrides."""
     overrides, i = {}, 0
-    while i < len(rest):  # --field value | --field=value  ->  config overrides
+    while i < len(rest):
         if not rest[i].startswith("--"):
-            p.error(f"unexpected argument {rest[i]!r}")
+            error(f"unexpected argument {rest[i]!r}")
         key, eq, value = rest[i][2:].partition("=")
         if not eq:
             if i + 1 >= len(rest):
-                p.error(f"--{key} needs a value")
+                error(f"--{key} needs a value")
             value, i = rest[i + 1], i + 1
         overrides[key.replace("-", "_")] = value
         i += 1
-    return args, overrides
+    return overrides
+
+
+def peak_tflops(device):
+    """Dense bf16 peak of this CUDA device from PEAK_TFLOPS (None on CPU or an unlisted GPU)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def learning_rate(args, it, samples):
@@ -307,8 +318,7 @@ def main(argv=None):
         from torch.utils.tensorboard import SummaryWriter  # optional dependency
         tb = SummaryWriter(args.tensorboard)
     tokens_per_step = args.global_batch * cfg.seq_len
-    peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()),
-                None)
+    peak = peak_tflops(device)
     good_steps, consumed, skipped = counters["good_steps"], counters["consumed_samples"], counters["skipped"]
     history = []  # per step, on every rank: what tests and callers of main() inspect
     for m in modules.values():

@@ -61,8 +61,8 @@ def run_distributed(fn, world_size, *args, timeout=60.0):
                 if any(p.exitcode not in (None, 0) for p in procs) and not errors:
                     errors[-1] = "a child died without reporting (exit codes "
                     errors[-1] += f"{[p.exitcode for p in procs]})"
-                continue
-            (done if ok else errors)[rank] = value
+            else:
+                (done if ok else errors)[rank] = value
             if errors:  # the others may now wait forever in a collective: give them a short grace period
                 deadline = min(deadline, time.monotonic() + 5.0)
         for p in procs:

@@ -1,7 +1,6 @@
 """GPU fast paths == CPU reference paths (skipped without CUDA). Tolerances: decoder spec section 10."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import config
 import model

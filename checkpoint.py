@@ -75,7 +75,7 @@ def _entries(par, modules):
             yield f"{prefix}.{name}", t, groups, coords, sizes
 
 
-def _dtype(t):
+def dtype_name(t):
     return str(t.dtype).removeprefix("torch.")
 
 
@@ -117,7 +117,7 @@ def _snapshot(par, modules, opt, copy):
             continue
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        specs[name] = {"shape": shape, "dtype": _dtype(t), "shards": shards, "optim": id(t) in trained}
+        specs[name] = {"shape": shape, "dtype": dtype_name(t), "shards": shards, "optim": id(t) in trained}
         files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(t)
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
             st, out = opt.state.get(t, {}), files.setdefault(_shard_file("optim", name, shards, coords), {})
@@ -246,7 +246,7 @@ def save_model(path, cfg, state_dict):
         if k.split(".", 1)[0] not in ("vision", "language"):
             raise ValueError(f"{k}: checkpoint names start with 'vision.' or 'language.'")
         files.setdefault(_shard_file("model", k, [], {}), {})[k] = v.detach().cpu()
-        specs[k] = {"shape": list(v.shape), "dtype": _dtype(v), "shards": [], "optim": False}
+        specs[k] = {"shape": list(v.shape), "dtype": dtype_name(v), "shards": [], "optim": False}
     os.makedirs(path, exist_ok=True)   # files of an earlier save here are ignored: meta.json lists the files
     write_atomic(os.path.join(path, CONFIG_NAME), dataclasses.asdict(cfg))
     write_atomic(os.path.join(path, META_NAME), {
@@ -326,8 +326,8 @@ class Reader:
             raise FileNotFoundError(f"{path}: missing (holds tensor {key})") from None
         except Exception as e:   # truncated, a broken header, the tensor absent, ...
             raise ValueError(f"{path}: tensor {key}: unreadable ({e})") from None
-        if list(t.shape) != list(shape) or _dtype(t) != dtype:
-            raise ValueError(f"{path}: tensor {key} is {_dtype(t)} {list(t.shape)}, {META_NAME} says {dtype} "
+        if list(t.shape) != list(shape) or dtype_name(t) != dtype:
+            raise ValueError(f"{path}: tensor {key} is {dtype_name(t)} {list(t.shape)}, {META_NAME} says {dtype} "
                              f"{list(shape)}")
         if _crc(t) != crc:
             raise ValueError(f"{path}: tensor {key}: checksum mismatch (the file was modified or is corrupt)")
@@ -355,7 +355,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
             x = r.read(name, shards=getattr(t, "shards", ()), coords=coords, sizes=sizes)
             if x.shape != t.shape or (x.dtype != t.dtype and not finetune):
                 raise ValueError(f"{r.dir}/{META_NAME}: tensor {name} ({r.tensors[name]['dtype']} "
-                                 f"{r.tensors[name]['shape']}) does not fit this run's {_dtype(t)} {list(t.shape)}")
+                                 f"{r.tensors[name]['shape']}) does not fit this run's {dtype_name(t)} {list(t.shape)}")
             t.copy_(x)
     if opt is not None and load_optim and not finetune:
         _load_optimizer(r, opt, entries, say)
@@ -415,14 +415,19 @@ def check_tensors(state_dict, expected, source, file_of=None):
     errors += [f"{file_of.get(k, source)}: unexpected tensor {k}" for k in state_dict if k not in expected]
     errors += [f"{file_of.get(k, source)}: tensor {k} has shape {list(v.shape)}, expected {list(expected[k])}"
                for k, v in state_dict.items() if k in expected and tuple(v.shape) != tuple(expected[k])]
+    raise_errors(errors)
+
+
+def raise_errors(errors):
+    """One ValueError listing every offender (a checkpoint is wrong in all its places at once, not one by one)."""
     if errors:
         raise ValueError(f"{len(errors)} checkpoint error(s):\n  " + "\n  ".join(errors))
 
 
-def language_state_dict(state_dict, prefix=LM_PREFIX):
-    """The language model's entries of a full-model state dict, prefix stripped."""
-    return {k[len(prefix):]: v for k, v in state_dict.items()
-            if k.startswith(prefix) and k[len(prefix):].startswith(LM_ROOTS)}
+def language_state_dict(state_dict):
+    """The language model's entries of a full-model state dict, "language." stripped."""
+    n = len(LM_PREFIX)
+    return {k[n:]: v for k, v in state_dict.items() if k.startswith(LM_PREFIX) and k[n:].startswith(LM_ROOTS)}
 
 
 def lm_shapes(cfg):

@@ -13,7 +13,7 @@ import os
 import re
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import checkpoint
 import config
@@ -63,7 +63,7 @@ def export_hf(cfg, lm_state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, 
         else:
             tensors[k] = v
     os.makedirs(out_dir, exist_ok=True)
-    torch_dtype = str(tensors["backbone.embeddings.weight"].dtype).removeprefix("torch.")
+    torch_dtype = checkpoint.dtype_name(tensors["backbone.embeddings.weight"])
     checkpoint.write_atomic(os.path.join(out_dir, checkpoint.CONFIG_NAME), hf_config(cfg, torch_dtype))
     _write_shards(tensors, out_dir, max_shard_bytes)
 
@@ -80,7 +80,7 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
     """Greedy in key order. One shard -> model.safetensors; more -> model-0000k-of-0000n + index."""
     for stale in glob.glob(os.path.join(out_dir, "model*.safetensors*")):
         os.remove(stale)   # a loader would otherwise pick up shards or the index of an earlier export
-    shards, size = [[]], 0
+    shards, size, total = [[]], 0, 0
     for k, v in tensors.items():
         n = v.numel() * v.element_size()
         if shards[-1] and size + n > max_shard_bytes:
@@ -88,13 +88,12 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
             size = 0
         shards[-1].append(k)
         size += n
+        total += n
     names = [WEIGHTS_NAME] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for keys, name in zip(shards, names):   # clone: unbound expert views share storage, safetensors refuses that
-        save_file({k: tensors[k].contiguous().clone() for k in keys}, os.path.join(out_dir, name),
-                  metadata={"format": "pt"})
+        checkpoint.write_atomic(os.path.join(out_dir, name), {k: tensors[k].clone() for k in keys})
     if len(shards) > 1:
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
         weight_map = {k: name for keys, name in zip(shards, names) for k in keys}
         checkpoint.write_atomic(os.path.join(out_dir, INDEX_NAME),
                                 {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -190,8 +189,7 @@ def _stack_experts(raw, file_of, expected, num_experts):
         if not errors:
             out[name] = torch.stack([raw[k] for k in keys])
             file_of[name] = file_of[keys[0]]
-    if errors:
-        raise ValueError(f"{len(errors)} checkpoint error(s):\n  " + "\n  ".join(errors))
+    checkpoint.raise_errors(errors)
     return out
 
 

@@ -400,16 +400,19 @@ def _device():
 def allreduce_grads(params, group, bucket_bytes=BUCKET_BYTES):
     """SUM all-reduce the gradients of `params` over `group` in fp32 buckets of about `bucket_bytes`.
 
-    Every rank of the group must pass the same parameters in the same order; a missing .grad becomes zeros so that
-    all ranks post identical buckets (an expert no token reached still takes part).
+    Every rank of the group must pass the same parameters in the same order. A missing .grad becomes zeros, also
+    without a group: all ranks post identical buckets (an expert no token reached, an encoder that saw only text
+    still takes part), and every trainable parameter steps alike on any layout (AdamW's decay included, as with
+    Megatron's gradient buffers).
     """
     params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if group is None or dist.get_world_size(group) == 1 or not params:
         return
     bucket, size = [], 0
     for i, p in enumerate(params):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
         bucket.append(p)
         size += p.numel() * 4
         if size >= bucket_bytes or i == len(params) - 1:

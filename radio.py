@@ -219,11 +219,8 @@ class VisionModel(nn.Module):
     def forward(self, patches, grids):
         """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified per §3); grids: [(h_i, w_i)]
         with even h_i, w_i. Returns [Σ h_i*w_i/4, hidden_size] in image order."""
-        if len(grids) == 0:
-            # Text-only microbatch: an empty result that still reaches every parameter, so each one gets a
-            # (zero) gradient and the data-parallel gradient reduction sees the same set on every rank.
-            w = self.mlp1["3"].weight
-            return w.new_zeros(0, self.cfg.hidden_size) + 0.0 * sum(p.sum() for p in self.parameters())
+        if len(grids) == 0:   # text-only microbatch (its parameters get zero gradients in parallel.allreduce_grads)
+            return self.mlp1["3"].weight.new_zeros(0, self.cfg.hidden_size)
         grids = [(int(h), int(w)) for h, w in grids]
         x_TC = self.features(patches, grids)
         x_QX = torch.cat([pixel_shuffle(c, h, w) for c, (h, w) in zip(x_TC.split([h * w for h, w in grids]), grids)])

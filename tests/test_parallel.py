@@ -11,7 +11,7 @@ import torch.distributed as dist
 import config
 from comm import mark_shard, shard
 from bridge import Bridge, bridge_links
-from parallel import (Grid, Layout, check_layout, expert_grid, finalize_gradients, global_grad_norm,
+from parallel import (Grid, Layout, allreduce_grads, check_layout, expert_grid, finalize_gradients, global_grad_norm,
                       global_token_count, lane_samples, lanes, lm_grid, plan_layout, reduce_gradients, setup,
                       vision_grid)
 from tests.spawn import run_distributed
@@ -534,3 +534,13 @@ def test_gradients_norm_tokens_consensus():
     results = run_distributed(_check_grads, 8)
     for i in range(2):       # identical on every rank of both grids
         assert len({(r[i][0], r[i][1], r[i][2], r[i][3], r[i][4]) for r in results}) == 1, [r[i] for r in results]
+
+
+def test_missing_gradients_become_zeros_without_a_group_too():
+    """A parameter no token reached steps like one with a zero gradient on every layout, dp = 1 included."""
+    used, unused, frozen = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
+    frozen.requires_grad_(False)
+    used.grad = torch.full((3,), 2.0)
+    allreduce_grads([used, unused, frozen], None)
+    assert torch.equal(used.grad, torch.full((3,), 2.0)) and torch.equal(unused.grad, torch.zeros(3))
+    assert frozen.grad is None

@@ -335,9 +335,10 @@ class Reader:
 
 
 def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, load_rng=True, finetune=False):
-    """Load a checkpoint of any layout into this rank's modules, AdamW state, RNG and data state -> counters
+    """Load a checkpoint (a path, or a Reader-like source) of any layout into this rank's modules, AdamW state, RNG and data state -> counters
     (FRESH with finetune: weights only). No collectives: each rank reads what it needs."""
-    r, rank, lay = Reader(path), dist.get_rank(), par.layout
+    r = path if hasattr(path, "read") else Reader(path)   # or any reader alike: hf_interop.HFSource
+    rank, lay = dist.get_rank(), par.layout
     say = (lambda msg: print(f"checkpoint: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
     bad = [f"{k} is {getattr(r.cfg, k)!r} in the checkpoint, {getattr(cfg, k)!r} in this run"
            for k in MODEL_FIELDS if cfg is not None and getattr(r.cfg, k) != getattr(cfg, k)]

@@ -15,7 +15,9 @@ Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, th
 perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is the k-th row of a next-fit packing of
 s's permuted document stream. Token lengths come from a one-time index of every file, cached beside it.
 """
+import base64
 import hashlib
+import io
 import json
 import os
 import re
@@ -122,30 +124,81 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A HF tokenizer.json (optional `tokenizers` package). <|im_start|>, <|im_end|> and <image> must be in its
-    vocabulary, <image> at cfg.image_token_id (the id the model places image rows at). Missing <img>/</img> mean no
-    wrappers, a missing <s> no BOS; </s> falls back to <|endoftext|> or <|im_end|>, <pad> to </s>."""
+    """An HF tokenizer (optional `transformers`): a directory (tokenizer files and, in tokenizer_config.json or
+    chat_template.jinja, its chat template) or a bare tokenizer.json. Chats are rendered by the template the way
+    transformers' apply_chat_template does; a tokenizer without one renders them with the ChatML of Encoder.chat,
+    which needs <|im_start|> and <|im_end|>. <image> must be at cfg.image_token_id; <img>/</img> wrap each image's
+    placeholders when the vocabulary has them (as the Omni processor writes them)."""
 
     def __init__(self, path, vocab_size, image_token_id):
-        from tokenizers import Tokenizer
-        self.tok = Tokenizer.from_file(path)
-        found = {t: self.tok.token_to_id(t) for t in SPECIALS + ("<image>", "<|endoftext|>")}
-        self.special = {t: i for t, i in found.items() if i is not None}
-        missing = [t for t in ("<|im_start|>", "<|im_end|>", "<image>") if t not in self.special]
+        try:
+            import transformers
+        except ImportError:
+            raise SystemExit("--tokenizer needs transformers: pip install -e '.[hf]'") from None
+        if os.path.isdir(path):
+            self.tok = transformers.AutoTokenizer.from_pretrained(path)
+        elif os.path.isfile(path):
+            self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        else:
+            raise SystemExit(f"--tokenizer {path}: no such file or directory")
+        vocab = self.tok.get_vocab()
+        self.special = {t: vocab[t] for t in SPECIALS + ("<image>",) if t in vocab}
+        self.template = self.tok.chat_template
+        if isinstance(self.template, dict):   # named templates: the default one renders chats
+            self.template = self.template.get("default")
+        need = ["<image>"] + ([] if self.template else ["<|im_start|>", "<|im_end|>"])
+        missing = [t for t in need if t not in self.special]
         if missing:
-            raise SystemExit(f"tokenizer {path} lacks the special tokens {missing}")
+            raise SystemExit(f"tokenizer {path} lacks the special tokens {missing}"
+                             + ("" if self.template else " (it has no chat template, so chats use ChatML)"))
         if self.special["<image>"] != image_token_id:
             raise SystemExit(f"tokenizer {path}: <image> is id {self.special['<image>']}, the model's image_token_id "
                              f"is {image_token_id}; pass --image-token-id {self.special['<image>']}")
-        if self.tok.get_vocab_size() > vocab_size:
-            raise SystemExit(f"tokenizer {path} has {self.tok.get_vocab_size()} ids > vocab_size {vocab_size}")
-        self.special.setdefault("</s>", self.special.get("<|endoftext|>", self.special["<|im_end|>"]))
+        if len(self.tok) > vocab_size:
+            raise SystemExit(f"tokenizer {path} has {len(self.tok)} ids > vocab_size {vocab_size}")
+        # bos / eos / pad: the tokenizer's own, else <s> / </s> / <pad> in its vocabulary, else eos falls back to
+        # <|endoftext|> or <|im_end|> and pad to eos (no bos then)
+        for name, declared in (("<s>", self.tok.bos_token_id), ("</s>", self.tok.eos_token_id),
+                               ("<pad>", self.tok.pad_token_id)):
+            if declared is not None:
+                self.special[name] = declared
+        if "</s>" not in self.special:
+            eos = vocab.get("<|endoftext|>", self.special.get("<|im_end|>"))
+            if eos is None:
+                raise SystemExit(f"tokenizer {path} has no end-of-text token (eos_token, </s>, <|endoftext|> or "
+                                 "<|im_end|>)")
+            self.special["</s>"] = eos
         self.special.setdefault("<pad>", self.special["</s>"])
-        with open(path, "rb") as f:
-            self.fingerprint = "hf-" + hashlib.sha256(f.read()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps([self.tok.get_vocab(), self.template, sorted(self.special.items())],
+                                           sort_keys=True).encode())
+        self.fingerprint = "hf-" + digest.hexdigest()[:16]
 
     def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def render(self, messages):
+        """Chat template -> (ids, trained mask): assistant tokens by the template's {% generation %} markers when it
+        has them, else by the assistant messages' spans (the text each adds after the generation prompt)."""
+        apply = lambda msgs, **kw: self.tok.apply_chat_template(msgs, tokenize=False, **kw)   # noqa: E731
+        text = apply(messages)
+        if re.search(r"{%-?\s*generation\s*-?%}", self.template):
+            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                head, upto = apply(messages[:i], add_generation_prompt=True), apply(messages[:i + 1])
+                if not (upto.startswith(head) and text.startswith(upto)):
+                    raise _Bad("the chat template does not render this chat prefix by prefix, so assistant turns "
+                               "cannot be located; add {% generation %} markers to it")
+                spans.append((len(head), len(upto)))
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
+        return list(enc["input_ids"]), mask
+
+    def save(self, out_dir):
+        self.tok.save_pretrained(out_dir)
 
 
 def load_tokenizer(path, cfg):
@@ -172,6 +225,34 @@ def _open_image(path, pixels, verify=False):
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise _Bad(f"undecodable image {path}: {e}") from None
     return size, torch.from_numpy(rgb.copy()).permute(2, 0, 1)
+
+
+def _part(part):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return "text", part["text"]
+    if kind == "image" and isinstance(part.get("image"), str):
+        return "image", part["image"]
+    url = part.get("image_url") if kind == "image_url" else None
+    url = url.get("url") if isinstance(url, dict) else url
+    if isinstance(url, str):
+        return "image", url
+    raise _Bad(f"bad content part {str(part)[:80]} (expected type text, image or image_url)")
+
+
+def _image_source(ref, base_dir):
+    """An image reference -> what PIL opens: a path (relative to the data file) or the bytes of a data: URL."""
+    if ref.startswith("data:"):
+        head, _, payload = ref.partition(",")
+        if not head.endswith(";base64"):
+            raise _Bad(f"image data URL {ref[:40]}...: only base64 data URLs are supported")
+        try:
+            return io.BytesIO(base64.b64decode(payload, validate=True))
+        except ValueError as e:
+            raise _Bad(f"image data URL {ref[:40]}...: bad base64 ({e})") from None
+    if re.match(r"^[a-z]+://", ref):
+        raise _Bad(f"image {ref}: remote URLs are not fetched; download it and give its path")
+    return os.path.join(base_dir, ref)
 
 
 class Encoder:
@@ -209,36 +290,57 @@ class Encoder:
         raise _Bad("expected a 'messages', 'text' or 'input_ids' field")
 
     def chat(self, messages):
-        sp, enc, everything = self.sp, self.tok.encode, self.train_on == "all"
+        """Messages -> pieces: by the tokenizer's chat template when it has one, else by ChatML written here
+        (headers trained only under --train-on all, each turn's <|im_end|> trained with its turn)."""
+        everything = self.train_on == "all"
+        turns = self._turns(messages)
+        if getattr(self.tok, "template", None):
+            conv = [{"role": r, "content": c if isinstance(c, str) else [
+                {"type": "text", "text": x} if kind == "text" else {"type": "image"} for kind, x in c]}
+                for r, c in turns]
+            ids, mask = self.tok.render(conv)
+            images = [x for _, c in turns if not isinstance(c, str) for kind, x in c if kind == "image"]
+            at = [t for t, i in enumerate(ids) if i == self.cfg.image_token_id]
+            if len(at) != len(images):
+                raise _Bad(f"the chat template rendered {len(at)} <image> tokens for {len(images)} images")
+            out, prev = [], 0
+            for t, ref in zip(at + [len(ids)], images + [None]):
+                out.append((ids[prev:t], [everything or m for m in mask[prev:t]]))
+                if ref is not None:
+                    out.append((ref, everything or mask[t]))
+                prev = t + 1
+            return out
+        sp, enc, out = self.sp, self.tok.encode, []
+        for role, content in turns:
+            train = everything or role == "assistant"
+            out.append(([sp["<|im_start|>"]] + enc(role + "\n"), everything))
+            for kind, x in [("text", content)] if isinstance(content, str) else content:
+                out.append((enc(x) if kind == "text" else x, train))
+            out.append(([sp["<|im_end|>"]], train))      # trained: the model learns to end its turn
+            out.append((enc("\n"), everything))
+        return out
+
+    @staticmethod
+    def _turns(messages):
+        """Checked messages -> [(role, str | [("text", str) | ("image", reference)])]. Image parts: {"type": "image",
+        "image": PATH} or OpenAI's {"type": "image_url", "image_url": {"url": PATH | data: URL}}."""
         if not isinstance(messages, list) or not messages:
             raise _Bad("'messages' must be a non-empty list")
-        out = []
+        turns = []
         for m in messages:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in ROLES:
                 raise _Bad(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
             content = m.get("content")
-            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-            if not isinstance(parts, list):
+            if not isinstance(content, (str, list)):
                 raise _Bad(f"{role} content must be a string or a list of parts")
-            train = everything or role == "assistant"
-            out.append(([sp["<|im_start|>"]] + enc(role + "\n"), everything))   # headers: only under "all"
-            filled = False
-            for part in parts:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    out.append((enc(part["text"]), train))
-                    filled |= bool(part["text"].strip())
-                elif kind == "image" and isinstance(part.get("image"), str):
-                    out.append((part["image"], train))
-                    filled = True
-                else:
-                    raise _Bad(f"bad content part {str(part)[:80]} (expected type text or image)")
+            parts = content if isinstance(content, str) else [_part(p) for p in content]
+            filled = bool(content.strip()) if isinstance(content, str) else \
+                any(kind == "image" or x.strip() for kind, x in parts)
             if role == "assistant" and not filled:      # would train the model to answer with nothing
                 raise _Bad("empty assistant turn")
-            out.append(([sp["<|im_end|>"]], train))      # trained: the model learns to end its turn
-            out.append((enc("\n"), everything))
-        return out
+            turns.append((role, parts))
+        return turns
 
     def encode(self, obj, base_dir, pixels, verify=False):
         """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors, or None without pixels.
@@ -246,7 +348,7 @@ class Encoder:
         cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
         pieces = self.pieces(obj)
         wrap = ("<img>" in sp) + ("</img>" in sp)
-        paths = [os.path.join(base_dir, x) for x, _ in pieces if isinstance(x, str)]
+        paths = [_image_source(x, base_dir) for x, _ in pieces if isinstance(x, str)]
         n_text = sum(len(x) for x, _ in pieces if not isinstance(x, str)) + wrap * len(paths)
         if any(cfg.image_token_id in x for x, _ in pieces if not isinstance(x, str)):
             raise _Bad("text holds the image token; its placeholders would not match the images")

@@ -1,8 +1,13 @@
-"""HF NemotronH interop: export a checkpoint (any layout) as an HF `nemotron_h` directory, import one back.
+"""HF interop: checkpoints (any layout) <-> transformers directories, both ways.
 
-Names: the original ones (decoder.md §9), equal to ours except that HF stores routed experts one tensor per expert
-(`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj` [E, F, D]).
-CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR  |  import-hf --hf HF_DIR --out CKPT
+  nemotron_h_omni  the whole VLM, as released (Nemotron Nano Omni / VL): `language_model.` + the LM's names,
+                   `vision_model.radio_model.model.` + RADIO's timm names (radio.hf_name), `mlp1.{0,1,3}` projector
+  nemotron_h       the language model alone;  radio  a vision tower alone (`radio_model.model.` + timm names)
+LM names are the original ones (decoder.md §9), equal to ours except that HF stores routed experts one tensor per
+expert (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj`).
+Config fields HF does not carry (seq_len, image token budget, layout, ...) come from a preset.
+CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only]
+      python hf_interop.py import-hf --hf HF_DIR --out CKPT [--preset P] [--image-token-id N] [--vision-hf RADIO_DIR]
 """
 import argparse
 import dataclasses
@@ -13,14 +18,15 @@ import os
 import re
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 import checkpoint
+import comm
 import config
+import data
 import radio
 
 WEIGHTS_NAME, INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
-VISION_NAME = "vision.safetensors"   # export-hf: vision tower + projector under HF Nemotron-VL names
 DEFAULT_SHARD_BYTES = 5 * 10**9      # HF's classic default shard size
 
 # Config fields: config.LANGUAGE_FIELDS are what HF's config carries, under the same names except these two.
@@ -33,47 +39,205 @@ HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, atten
                 sliding_window=None)
 # Written for completeness (Nano's values, decoder.md §2.1), not read back. time_step_* only drive HF's init.
 # Caveat: HF's torch Mamba path clamps dt at time_step_min; ours, the CUDA kernels and Megatron do not.
-HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, bos_token_id=1,
-               eos_token_id=2, pad_token_id=0, mamba_ssm_cache_dtype="float32", attention_dropout=0.0,
+HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32", attention_dropout=0.0,
                hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True, rescale_prenorm_residual=True)
 HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}   # transformers 5.x
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
 EXPERT_KEY = re.compile(r"^(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")    # HF, one per expert
 
 
+# RADIO switches baked into radio.py (absent = HF default = this), and what an Omni config must say.
+RADIO_FIXED = dict(hidden_act="gelu", use_swiglu_ffn=False, qkv_bias=True, layer_norm_eps=1e-6, num_channels=3,
+                   drop_path_rate=0.0)
+OMNI_LM, OMNI_VISION, RADIO_ROOT = "language_model.", "vision_model.", "radio_model.model."
+# Weights of released checkpoints this model does not use: skipped on import, with one line naming them.
+UNUSED = {"video embedder": r"patch_generator\.video_embedder\.", "RADIO summary_idxs": r"summary_idxs$",
+          "RADIO input conditioner": r"input_conditioner\.", "sound encoder / projection": r"^sound_",
+          "MTP layers": r"(^|\.)mtp\.", "LayerScale (all ones: identity)": r"\.(layer_scale[12]\.lambda1|ls[12]\.gamma)$"}
+LAYER_SCALE = re.compile(UNUSED["LayerScale (all ones: identity)"])
+
+
+# ---------------------------------------------------------------- configs
+
+def read_config(hf_dir):
+    path = os.path.join(hf_dir, checkpoint.CONFIG_NAME)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing: {hf_dir} is not an HF model directory") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def is_hf_dir(path):
+    """An HF model directory (config.json with an HF model_type), not one of our checkpoints."""
+    cfg = os.path.join(path, checkpoint.CONFIG_NAME)
+    if not os.path.isfile(cfg) or os.path.exists(os.path.join(path, checkpoint.META_NAME)):
+        return False
+    with open(cfg) as f:
+        return "model_type" in json.load(f)
+
+
+def config_from_hf(hf, source="config.json", preset=None, image_token_id=None, radio_hf=None):
+    """An HF config.json (nemotron_h_omni, or nemotron_h plus an optional radio config) -> our Config. Fields HF does
+    not carry come from `preset` (default nano). Anything this model does not implement is refused by name."""
+    kind = hf.get("model_type", "nemotron_h")
+    if kind == "nemotron_h_omni":
+        text = hf.get("text_config", hf.get("llm_config"))
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: nemotron_h_omni without a text_config")
+        over, errors = _language_fields(text, f"{source}: text_config.", preset)
+        if text.get("num_nextn_predict_layers", 0):
+            errors.append(f"text_config.num_nextn_predict_layers={text['num_nextn_predict_layers']} (MTP and its "
+                          "vision_final_layernorm are not implemented)")
+        vision, errs = _vision_fields(hf.get("vision_config") or {}, "vision_config.")
+        over.update(vision)
+        errors += errs
+        if hf.get("downsample_ratio", 0.5) != 0.5:
+            errors.append(f"downsample_ratio={hf['downsample_ratio']} (this model implements the 2x2 shuffle, 0.5)")
+        width = hf.get("vision_hidden_size", hf.get("vit_hidden_size", 1280))
+        if width != vision["vit_hidden"]:
+            errors.append(f"vision_hidden_size={width}: the projector input must be 4 x the vision width "
+                          f"{vision['vit_hidden']}")
+        over["projector_hidden"] = hf.get("projector_hidden_size", 4096)
+        token = hf.get("image_token_id", hf.get("img_context_token_id"))
+    elif kind == "nemotron_h":
+        over, errors = _language_fields(hf, f"{source}: ", preset)
+        token = hf.get("image_token_id")
+        if radio_hf is not None:
+            vision, errs = _vision_fields(radio_hf, "vision config ")
+            over.update(vision, projector_hidden=16 * vision["vit_hidden"])   # VIT_VARIANTS' convention
+            errors += errs
+    else:
+        raise ValueError(f"{source}: model_type {kind!r}, expected 'nemotron_h_omni' or 'nemotron_h'")
+    if token is not None and image_token_id is not None and token != image_token_id:
+        errors.append(f"image_token_id={token}, but --image-token-id {image_token_id} was given")
+    over["image_token_id"] = token if token is not None else image_token_id
+    if over["image_token_id"] is None:
+        errors.append("no image_token_id: pass --image-token-id N (the id of <image> in your tokenizer)")
+    if errors:
+        raise ValueError(f"{source}: unsupported: " + "; ".join(errors))
+    return config.resolve(preset or "nano", over)
+
+
+def _language_fields(hf, where, preset):
+    errors = [f"{where}{k}={hf[k]!r} (this model implements {v!r})" for k, v in HF_FIXED.items()
+              if k in hf and hf[k] != v]
+    # HF writes infinity as {"__float__": "Infinity"}
+    lo, hi = (float(x["__float__"] if isinstance(x, dict) else x) for x in hf.get("time_step_limit", (0, math.inf)))
+    if lo > 0 or hi != math.inf:   # a dt clamp our model does not apply
+        errors.append(f"{where}time_step_limit=[{lo}, {hi}] (this model implements [0, inf])")
+    if "layers_block_type" in hf:  # transformers 5.x writes this list instead of the pattern string
+        pattern = "".join(HF_LAYER_TYPES.get(t, "?") for t in hf["layers_block_type"])
+    else:
+        pattern = hf.get("hybrid_override_pattern", config.resolve(preset or "nano").hybrid_override_pattern)
+    if set(pattern) - set("M*E-"):
+        errors.append(f"{where}layer pattern {pattern!r} (layers_block_type {hf.get('layers_block_type')}): "
+                      "only M * E -")
+    if "num_hidden_layers" in hf and hf["num_hidden_layers"] != len(pattern):
+        errors.append(f"{where}num_hidden_layers={hf['num_hidden_layers']} but the pattern has {len(pattern)} layers")
+    types = {f.name: f.type for f in dataclasses.fields(config.Config)}
+    over = {k: types[k](hf[k]) for k in HF_SAME if k in hf and k != "hybrid_override_pattern"}
+    over.update({ours: types[ours](hf[h]) for h, ours in HF_RENAMED.items() if h in hf})
+    over["hybrid_override_pattern"] = pattern
+    return over, errors
+
+
+def _vision_fields(vc, where):
+    errors = [f"{where}{k}={vc[k]!r} (this model implements {v!r})" for k, v in RADIO_FIXED.items()
+              if k in vc and vc[k] != v]
+    for key, clip in (("norm_mean", radio.CLIP_MEAN), ("norm_std", radio.CLIP_STD)):
+        if key in vc and any(abs(a - b) > 1e-6 for a, b in zip(vc[key], clip)):
+            errors.append(f"{where}{key}={vc[key]} (this model normalises with CLIP's {list(clip)})")
+    C, p, side = vc.get("hidden_size", 1280), vc.get("patch_size", 16), vc.get("max_img_size", 2048)
+    if side % p:
+        errors.append(f"{where}max_img_size={side} is not a multiple of patch_size {p}")
+    return dict(vit_hidden=C, vit_depth=vc.get("num_hidden_layers", 32), vit_heads=vc.get("num_attention_heads", 16),
+                vit_mlp=round(C * vc.get("mlp_ratio", 4.0)), vit_patch=p, vit_cpe_grid=side // p,
+                class_token_len=vc.get("num_cls_tokens", 3) + vc.get("num_registers", 7)), errors
+
+
+def hf_config(cfg, torch_dtype="bfloat16", token_ids=None):
+    """Our Config -> an HF nemotron_h config.json (the language model)."""
+    hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": torch_dtype,
+          "num_hidden_layers": len(cfg.hybrid_override_pattern), "max_position_embeddings": cfg.seq_len,
+          "num_nextn_predict_layers": 0, "image_token_id": cfg.image_token_id}
+    hf.update({k: getattr(cfg, k) for k in HF_SAME}, **HF_FIXED, **HF_INFO, **(token_ids or {}))
+    hf.update({h: getattr(cfg, ours) for h, ours in HF_RENAMED.items()})
+    return dict(sorted(hf.items()))
+
+
+def summary_idxs(cfg):
+    """RADIO's summary tokens (not used by the VLM; written so transformers finds them): its default, [0, 1]."""
+    return list(range(min(cfg.class_token_len, 2)))
+
+
+def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
+    """Our Config -> an HF nemotron_h_omni config.json (the VLM). RADIO's class tokens and registers are one
+    learned block to both models; it is written as up to 3 class tokens + the rest as registers (C-RADIO's split)."""
+    cls = min(cfg.class_token_len, 3)
+    vision = {"model_type": "radio", "hidden_size": cfg.vit_hidden, "num_hidden_layers": cfg.vit_depth,
+              "num_attention_heads": cfg.vit_heads, "mlp_ratio": cfg.vit_mlp / cfg.vit_hidden,
+              "patch_size": cfg.vit_patch, "max_img_size": cfg.vit_cpe_grid * cfg.vit_patch, "num_cls_tokens": cls,
+              "num_registers": cfg.class_token_len - cls, "norm_mean": list(radio.CLIP_MEAN),
+              "norm_std": list(radio.CLIP_STD), "video_temporal_patch_size": 2, "summary_idxs": summary_idxs(cfg),
+              **RADIO_FIXED}
+    text = {k: v for k, v in hf_config(cfg, torch_dtype, token_ids).items() if k not in ("architectures",)}
+    return {"architectures": ["NemotronH_Omni_Reasoning_V3"], "model_type": "nemotron_h_omni",
+            "torch_dtype": torch_dtype, "text_config": text, "vision_config": dict(sorted(vision.items())),
+            "downsample_ratio": 0.5, "projector_hidden_size": cfg.projector_hidden,
+            "vision_hidden_size": cfg.vit_hidden, "image_token_id": cfg.image_token_id,
+            "video_temporal_patch_size": 2}
+
+
 # ---------------------------------------------------------------- HF export
 
-def export_hf(cfg, lm_state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None):
-    """Write an HF `nemotron_h` directory (config.json + safetensors, sharded above max_shard_bytes).
-
-    lm_state_dict: LanguageModel names (strip any VLM prefix first, see language_state_dict). dtype casts the
-    floating tensors, except the expert bias, which stays fp32 as HF keeps it (_keep_in_fp32_modules_strict).
-    """
-    checkpoint.check_tensors(lm_state_dict, checkpoint.lm_shapes(cfg), "export_hf(lm_state_dict)")
+def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, tokenizer=None):
+    """Write an HF directory: nemotron_h_omni when `state_dict` (full names, "language.…" / "vision.…") holds the
+    vision tower, else nemotron_h; config.json, safetensors (sharded above max_shard_bytes) and, with an HF
+    `tokenizer` (data.load_tokenizer), its files. dtype casts the floating tensors, except the expert bias, which
+    stays fp32 as HF keeps it (_keep_in_fp32_modules_strict). bos/eos/pad ids are the tokenizer's."""
+    lm_sd = checkpoint.language_state_dict(state_dict)
+    checkpoint.check_tensors(lm_sd, checkpoint.lm_shapes(cfg), "export_hf(state_dict)")
+    cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
     tensors = {}
-    for k, v in lm_state_dict.items():
-        v = v.detach().cpu()
-        if k.endswith("e_score_correction_bias"):
-            v = v.float()
-        elif dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
+    for k, v in lm_sd.items():
+        v = v.detach().cpu().float() if k.endswith("e_score_correction_bias") else cast(v)
         m = STACKED_KEY.match(k)
         if m:   # views; each shard copies its own slice at write time
             tensors.update({f"{m[1]}.{j}.{m[2]}.weight": w for j, w in enumerate(v.unbind(0))})
         else:
             tensors[k] = v
-    os.makedirs(out_dir, exist_ok=True)
+    vision = {k[len("vision."):]: v for k, v in state_dict.items() if k.startswith("vision.")}
+    tok = tokenizer or data.load_tokenizer(None, cfg)
+    sp = tok.special
+    eos = list(dict.fromkeys([sp["</s>"]] + ([sp["<|im_end|>"]] if "<|im_end|>" in sp else [])))
+    ids = dict(bos_token_id=sp.get("<s>"), eos_token_id=eos[0] if len(eos) == 1 else eos, pad_token_id=sp["<pad>"])
     torch_dtype = checkpoint.dtype_name(tensors["backbone.embeddings.weight"])
-    checkpoint.write_atomic(os.path.join(out_dir, checkpoint.CONFIG_NAME), hf_config(cfg, torch_dtype))
+    if vision:
+        checkpoint.check_tensors(vision, vision_shapes(cfg), "export_hf(state_dict) vision.")
+        tensors = {OMNI_LM + k: v for k, v in tensors.items()}
+        tensors.update({radio.hf_name(k): cast(v) for k, v in vision.items()})
+        tensors[OMNI_VISION + "radio_model.summary_idxs"] = torch.tensor(summary_idxs(cfg))
+        for i in range(cfg.vit_depth):   # HF's RADIO has LayerScale parameters: identity
+            for j in (1, 2):
+                tensors[f"{OMNI_VISION}{RADIO_ROOT}blocks.{i}.layer_scale{j}.lambda1"] = \
+                    cast(torch.ones(cfg.vit_hidden))
+        hf = omni_config(cfg, torch_dtype, ids)
+    else:
+        hf = hf_config(cfg, torch_dtype, ids)
+    os.makedirs(out_dir, exist_ok=True)
+    checkpoint.write_atomic(os.path.join(out_dir, checkpoint.CONFIG_NAME), hf)
+    checkpoint.write_atomic(os.path.join(out_dir, "generation_config.json"), {k: v for k, v in ids.items() if v is not None})
     _write_shards(tensors, out_dir, max_shard_bytes)
+    if hasattr(tok, "save"):
+        tok.save(out_dir)
 
 
-def hf_config(cfg, torch_dtype="bfloat16"):
-    hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": torch_dtype,
-          "num_hidden_layers": len(cfg.hybrid_override_pattern), "max_position_embeddings": cfg.seq_len}
-    hf.update({k: getattr(cfg, k) for k in HF_SAME}, **HF_FIXED, **HF_INFO)
-    hf.update({h: getattr(cfg, ours) for h, ours in HF_RENAMED.items()})
-    return dict(sorted(hf.items()))
+def vision_shapes(cfg):
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in radio.VisionModel(cfg).state_dict().items()}
 
 
 def _write_shards(tensors, out_dir, max_shard_bytes):
@@ -101,131 +265,168 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
 
 # ---------------------------------------------------------------- HF import
 
-def import_hf(hf_dir, preset="nano"):
-    """-> (Config, LanguageModel state dict) from an HF `nemotron_h` directory (single file or sharded).
+class HFSource:
+    """An HF directory (nemotron_h_omni, or nemotron_h plus an optional transformers `radio` directory) read as a
+    checkpoint of our model: .cfg, .tensors, and read(name) of any full name ("language.…", "vision.…"), one tensor
+    in memory at a time, so train.py --load HF_DIR (checkpoint.load) and import-hf share it. Names, shapes and files
+    are checked when opened; weights this model does not use are skipped with one line."""
 
-    Non-language Config fields come from `preset`. `mtp.*` keys are ignored (HF ignores them too). Besides the
-    original names (`backbone.`, one tensor per expert) this accepts transformers' in-memory names (`model.`,
-    stacked experts), which are our names under another root.
-    """
-    cfg_file = os.path.join(hf_dir, checkpoint.CONFIG_NAME)
-    with open(cfg_file) as f:   # a missing file raises FileNotFoundError naming it
-        cfg = config_from_hf(json.load(f), cfg_file, preset)
-    raw, file_of = _read_hf_tensors(hf_dir)
-    root = lambda k: "backbone." + k[len("model."):] if k.startswith("model.") else k   # noqa: E731
-    raw = {root(k): v for k, v in raw.items() if not k.startswith("mtp.")}
-    file_of = {root(k): f for k, f in file_of.items()}
-    expected = checkpoint.lm_shapes(cfg)
-    state_dict = _stack_experts(raw, file_of, expected, cfg.n_routed_experts)
-    checkpoint.check_tensors(state_dict, expected, hf_dir, file_of)
-    return cfg, state_dict
+    def __init__(self, hf_dir, preset=None, image_token_id=None, vision_hf=None, seed=0, say=print):
+        hf, self.dir = read_config(hf_dir), hf_dir
+        source = os.path.join(hf_dir, checkpoint.CONFIG_NAME)
+        self.omni = omni = hf.get("model_type") == "nemotron_h_omni"
+        if vision_hf is not None and omni:
+            raise ValueError(f"--vision-hf: {source} is a nemotron_h_omni directory: it has its own vision tower")
+        radio_hf = read_config(vision_hf) if vision_hf is not None else None
+        if radio_hf is not None and radio_hf.get("model_type") != "radio":
+            raise ValueError(f"{vision_hf}/config.json: model_type {radio_hf.get('model_type')!r}, expected 'radio'")
+        self.cfg = config_from_hf(hf, source, preset, image_token_id, radio_hf)
+        files = _tensor_files(hf_dir)
+        self.where, self.fresh, self.handles, errors, skipped = {}, {}, {}, [], {}
+        lm_root = OMNI_LM if omni else ""
+        shapes = {"language." + k: v for k, v in checkpoint.lm_shapes(self.cfg).items()}
+        vision = {"vision." + k: v for k, v in vision_shapes(self.cfg).items()}
+        errors += self._map(files, shapes, lambda k: lm_root + k[len("language."):], skipped)
+        if omni or vision_hf is not None:   # --vision-hf: the tower from RADIO_DIR, a fresh projector (below)
+            tower = {k: v for k, v in vision.items() if omni or not k.startswith("vision.mlp1.")}
+            errors += self._map(files if omni else _tensor_files(vision_hf), tower,
+                                lambda k: _vision_hf_name(k, omni), skipped)
+            shapes.update(vision)
+        g = torch.Generator().manual_seed(seed)   # the LLaVA-style alignment start: --stage 1 trains the projector
+        for k in set(shapes) - set(self.where):
+            self.fresh[k] = torch.ones(shapes[k]) if k.endswith("mlp1.0.weight") else \
+                torch.randn(shapes[k], generator=g) * radio.INIT_STD
+        checkpoint.raise_errors(errors)
+        self.tensors = {k: {"shape": list(shapes[k]), "dtype": "?", "optim": False} for k in shapes}
+        self.meta = {"step": 0, "layout": None, "ranks": 0, "counters": dict(checkpoint.FRESH)}
+        if skipped:
+            say(f"{hf_dir}: skipped weights this model does not use: "
+                + ", ".join(f"{what} ({n} tensors)" for what, n in skipped.items()))
+
+    def _map(self, files, shapes, hf_name, skipped):
+        """Find every expected tensor (ours: full name -> shape) among `files` ({HF key: (file, shape)})."""
+        errors, used = [], set()
+        for name, shape in shapes.items():
+            key, m = hf_name(name), STACKED_KEY.match(name)
+            if m and key not in files:   # HF's original format: one tensor per expert
+                hf_key = STACKED_KEY.match(key)
+                keys = [f"{hf_key[1]}.{j}.{hf_key[2]}.weight" for j in range(shape[0])]
+                want = tuple(shape[1:])
+            else:
+                keys, want = [key], tuple(shape)
+            for k in keys:
+                if k not in files:
+                    errors.append(f"{self.dir}: missing tensor {k} ({name})")
+                elif tuple(files[k][1]) != want:
+                    errors.append(f"{files[k][0]}: tensor {k} has shape {list(files[k][1])}, expected {list(want)}")
+            used.update(keys)
+            self.where[name] = (keys != [key], [(files.get(k, (None,))[0], k) for k in keys])
+        for k in files:
+            if k in used or _is_vision(k) != next(iter(shapes)).startswith("vision."):
+                continue
+            what = next((w for w, pat in UNUSED.items() if re.search(pat, k)), None)
+            if what is None:
+                errors.append(f"{files[k][0]}: unexpected tensor {k}")
+                continue
+            if LAYER_SCALE.search(k) and not torch.all(self._get(files[k][0], k) == 1):
+                errors.append(f"{files[k][0]}: {k} is not all ones (LayerScale is not implemented)")
+            skipped[what] = skipped.get(what, 0) + 1
+        return errors
+
+    def read(self, name, suffix="", kind="model", shards=(), coords=None, sizes=None):
+        """Full tensor `name` in our layout (experts stacked), or this rank's slice like checkpoint.Reader.read."""
+        if name in self.fresh:
+            t = self.fresh[name]
+        else:
+            per_expert, where = self.where[name]
+            t = torch.stack([self._get(f, k) for f, k in where]) if per_expert else self._get(*where[0])
+        return comm.take_shard(t, [tuple(s) for s in shards], coords or {}, sizes or {})
+
+    def _get(self, path, key):
+        if path not in self.handles:
+            self.handles[path] = safe_open(path, framework="pt")
+        return self.handles[path].get_tensor(key)
 
 
-def config_from_hf(hf, source="config.json", preset="nano"):
-    if hf.get("model_type", "nemotron_h") != "nemotron_h":
-        raise ValueError(f"{source}: model_type {hf['model_type']!r}, expected 'nemotron_h'")
-    errors = [f"{k}={hf[k]!r} (this model implements {v!r})" for k, v in HF_FIXED.items() if k in hf and hf[k] != v]
-    # HF writes infinity as {"__float__": "Infinity"}
-    lo, hi = (float(x["__float__"] if isinstance(x, dict) else x) for x in hf.get("time_step_limit", (0, math.inf)))
-    if lo > 0 or hi != math.inf:   # a dt clamp our model does not apply
-        errors.append(f"time_step_limit=[{lo}, {hi}] (this model implements [0, inf])")
-    if "layers_block_type" in hf:  # transformers 5.x writes this list instead of the pattern string
-        pattern = "".join(HF_LAYER_TYPES.get(t, "?") for t in hf["layers_block_type"])
-    else:
-        pattern = hf.get("hybrid_override_pattern", config.resolve(preset).hybrid_override_pattern)
-    if set(pattern) - set("M*E-"):
-        errors.append(f"layer pattern {pattern!r} (layers_block_type {hf.get('layers_block_type')}): only M * E -")
-    if "num_hidden_layers" in hf and hf["num_hidden_layers"] != len(pattern):
-        errors.append(f"num_hidden_layers={hf['num_hidden_layers']} but the pattern has {len(pattern)} layers")
-    if errors:
-        raise ValueError(f"{source}: unsupported: " + "; ".join(errors))
-    types = {f.name: f.type for f in dataclasses.fields(config.Config)}
-    overrides = {k: types[k](hf[k]) for k in HF_SAME if k in hf and k != "hybrid_override_pattern"}
-    overrides.update({ours: types[ours](hf[h]) for h, ours in HF_RENAMED.items() if h in hf})
-    overrides["hybrid_override_pattern"] = pattern
-    return config.resolve(preset, overrides)
+def _vision_hf_name(name, omni):
+    key = radio.hf_name(name[len("vision."):])
+    return key if omni else key[len(OMNI_VISION):]
 
 
-def _read_hf_tensors(hf_dir):
-    """-> ({key: tensor}, {key: file}) from model.safetensors or the shards named in the index."""
+def _is_vision(hf_key):
+    """An Omni directory holds both parts: the vision tower and projector, or (sound included) the rest."""
+    return hf_key.startswith((OMNI_VISION, RADIO_ROOT, "radio_model.", "mlp1."))
+
+
+def _tensor_files(hf_dir):
+    """{HF key: (file, shape)} of model.safetensors or the shards its index names; headers only."""
     index = os.path.join(hf_dir, INDEX_NAME)
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+            files = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.exists(os.path.join(hf_dir, WEIGHTS_NAME)):
         files = [WEIGHTS_NAME]
     else:
         raise FileNotFoundError(f"{hf_dir}: neither {WEIGHTS_NAME} nor {INDEX_NAME} found")
-    tensors, file_of = {}, {}
+    out = {}
     for name in files:
         path = os.path.join(hf_dir, name)
-        for k, v in load_file(path).items():   # a missing shard raises FileNotFoundError naming it
-            if k in tensors:
-                raise ValueError(f"{path}: tensor {k} is also in {file_of[k]}")
-            tensors[k], file_of[k] = v, path
-    return tensors, file_of   # keys listed in the index but absent show up as missing in the strict check
-
-
-def _stack_experts(raw, file_of, expected, num_experts):
-    """Per-expert HF tensors -> our stacked [E, ...] tensors; every expert 0..E-1 present, shapes checked."""
-    out, groups = {}, {}
-    for k, v in raw.items():
-        m = EXPERT_KEY.match(k)
-        if m:
-            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = k
-        else:
-            out[k] = v
-    errors = []
-    for name, by_expert in groups.items():
-        keys = [by_expert.get(j) for j in range(num_experts)]
-        base, proj = name.rsplit(".", 1)
-        errors += [f"{base}.{j}.{proj}.weight missing" for j, k in enumerate(keys) if k is None]
-        errors += [f"{file_of[k]}: unexpected tensor {k} (n_routed_experts={num_experts})"
-                   for j, k in by_expert.items() if j >= num_experts]
-        want = expected.get(name, (None,))[1:]   # a name not expected at all is reported by the strict check
-        errors += [f"{file_of[k]}: tensor {k} has shape {list(raw[k].shape)}, expected {list(want)}"
-                   for k in keys if k is not None and name in expected and tuple(raw[k].shape) != want]
-        if not errors:
-            out[name] = torch.stack([raw[k] for k in keys])
-            file_of[name] = file_of[keys[0]]
-    checkpoint.raise_errors(errors)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: missing (named in {INDEX_NAME})")
+        with safe_open(path, framework="pt") as f:
+            for k in f.keys():
+                if k in out:
+                    raise ValueError(f"{path}: tensor {k} is also in {out[k][0]}")
+                out[k] = (path, f.get_slice(k).get_shape())
     return out
 
 
-def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None):
-    """export-hf: a checkpoint of any layout -> the language model as HF nemotron_h (export_hf) and the vision
-    tower + projector as OUT/vision.safetensors under HF Nemotron-VL names (radio.hf_name: `vision_model.…`,
-    `mlp1.{0,1,3}.weight`)."""
-    cfg, sd = checkpoint.load_model(path)
-    export_hf(cfg, checkpoint.language_state_dict(sd), out_dir, max_shard_bytes, dtype)
-    vision = {radio.hf_name(k[len("vision."):]): v.to(dtype) if dtype and v.is_floating_point() else v
-              for k, v in sd.items() if k.startswith("vision.")}
-    if vision:
-        checkpoint.write_atomic(os.path.join(out_dir, VISION_NAME), vision)
+def import_hf(hf_dir, preset=None, image_token_id=None, vision_hf=None, say=print):
+    """-> (Config, {full name: tensor}) of an HF directory (see HFSource)."""
+    src = HFSource(hf_dir, preset, image_token_id, vision_hf, say=say)
+    return src.cfg, {name: src.read(name) for name in src.tensors}
+
+
+def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None):
+    """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h). The tokenizer is
+    the one the run used (its saved --tokenizer) unless given."""
+    r = checkpoint.Reader(path)
+    sd = {n: r.read(n) for n in r.tensors if not (language_only and n.startswith("vision."))}
+    tokenizer = tokenizer or r.meta.get("args", {}).get("tokenizer")
+    export_hf(r.cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, r.cfg))
 
 
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Convert between our checkpoints and HF directories.")
+    p = argparse.ArgumentParser(description="Convert between our checkpoints and HF (transformers) directories.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export-hf", help="checkpoint (any layout) -> HF nemotron_h dir + vision.safetensors")
+    e = sub.add_parser("export-hf", help="checkpoint (any layout) -> HF nemotron_h_omni (or nemotron_h) directory")
     e.add_argument("--load", required=True, help="a save directory (uses `latest`) or a step directory")
     e.add_argument("--out", required=True)
+    e.add_argument("--language-only", action="store_true", help="write the language model alone (nemotron_h)")
+    e.add_argument("--tokenizer", help="HF tokenizer dir to export (default: the one the run trained with)")
     e.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast (default: keep dtypes)")
-    i = sub.add_parser("import-hf", help="HF nemotron_h dir (config.json + safetensors) -> our checkpoint dir")
+    i = sub.add_parser("import-hf", help="HF nemotron_h_omni / nemotron_h directory -> our checkpoint directory")
     i.add_argument("--hf", required=True)
     i.add_argument("--out", required=True)
-    i.add_argument("--preset", default="nano", help="preset for the fields HF does not carry")
+    i.add_argument("--preset", default="nano", help="preset for the fields HF does not carry (seq_len, budgets, ...)")
+    i.add_argument("--image-token-id", type=int, help="for a nemotron_h config without image_token_id")
+    i.add_argument("--vision-hf", help="a transformers `radio` directory: its tower + a fresh projector")
     args = p.parse_args(argv)
-    if args.cmd == "export-hf":
-        export(args.load, args.out, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None)
-    else:
-        cfg, sd = import_hf(args.hf, args.preset)
-        checkpoint.save_model(args.out, cfg, {checkpoint.LM_PREFIX + k: v for k, v in sd.items()})
-    print(f"wrote {args.out}")
+    try:
+        if args.cmd == "export-hf":
+            export(args.load, args.out, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None,
+                   args.language_only, args.tokenizer)
+            print(f"wrote {args.out}")
+        else:
+            cfg, sd = import_hf(args.hf, args.preset, args.image_token_id, args.vision_hf)
+            checkpoint.save_model(args.out, cfg, sd)
+            print(f"wrote {args.out} (fields HF does not carry from --preset {args.preset}): train it with "
+                  f"`train.py --preset {args.preset} --load {args.out} --finetune`")
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

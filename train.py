@@ -14,6 +14,7 @@ the global RNG; language init: seed + 20000 hashed with each parameter name (lay
 runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by the tp ranks of a lane.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import hf_interop
 import model
 import moe
 import parallel
@@ -62,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default="mock", help="mock | PATH.jsonl | weighted blend '0.7:a.jsonl,0.3:b.jsonl'")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (or blend) for --eval-every")
     p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: offline byte-level tokenizer")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (its chat template renders chats) or "
+                   "tokenizer.json; default: offline byte-level tokenizer")
     p.add_argument("--train-on", choices=["assistant", "all"], default="assistant", help="chat tokens with loss")
     p.add_argument("--pack", action="store_true", help="pack documents into seq_len rows (document masks)")
     p.add_argument("--skip-bad-samples", action="store_true", help="skip and count bad JSONL lines, not fail")
@@ -86,7 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
     p.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
-    p.add_argument("--load", default=None, help="resume from DIR (its `latest`) or DIR/step_N, any layout")
+    p.add_argument("--load", default=None, help="resume from DIR (its `latest`) or DIR/step_N, any layout; or start from an HF "
+                   "nemotron_h_omni / nemotron_h directory (weights and model config from it)")
     p.add_argument("--finetune", action="store_true", help="with --load: weights only (fresh optimizer, counters)")
     p.add_argument("--no-load-optim", action="store_true")
     p.add_argument("--no-load-rng", action="store_true")
@@ -169,6 +173,24 @@ def check_fits(cfg, lay, stage, device):
                          f"`--dry-run` for the per-rank estimate of a layout.")
 
 
+def hf_model(args, overrides, say):
+    """--load HF_DIR: (the directory as a checkpoint source, the Config from its config.json plus --preset for the
+    fields HF does not carry). The model's shape is the directory's: shape overrides are refused. Its tokenizer is
+    the default --tokenizer when it holds one."""
+    shape = sorted(k for k in overrides if k in checkpoint.MODEL_FIELDS and k != "image_token_id")
+    if shape:
+        raise SystemExit(f"--load {args.load} is an HF directory: the model's shape comes from its config.json; "
+                         f"drop {', '.join('--' + k.replace('_', '-') for k in shape)}")
+    token = overrides.pop("image_token_id", None)
+    source = hf_interop.HFSource(args.load, args.preset, None if token is None else int(token), seed=args.seed,
+                                 say=say)
+    if args.tokenizer is None and os.path.exists(os.path.join(args.load, "tokenizer_config.json")):
+        args.tokenizer = args.load
+    say(f"--load {args.load}: HF {'VLM' if source.omni else 'language model'}, fields HF does not carry from "
+        f"--preset {args.preset}, tokenizer {args.tokenizer or 'byte-level (the default)'}")
+    return source, config.from_values(dataclasses.asdict(source.cfg), overrides)
+
+
 def optimizer_for(modules, args, device):
     decay, no_decay = [], []
     for m in modules:
@@ -181,10 +203,14 @@ def optimizer_for(modules, args, device):
 
 def main(argv=None):
     args, overrides = parse_args(argv)
-    cfg = config.resolve(args.preset, overrides)
-    if args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
-        cfg = checkpoint.saved_config(args.load, overrides)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    hf_source = None
+    if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
+        hf_source, cfg = hf_model(args, overrides, say=print if rank == 0 else lambda msg: None)
+    elif args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
+        cfg = checkpoint.saved_config(args.load, overrides)
+    else:
+        cfg = config.resolve(args.preset, overrides)
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
     lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
@@ -297,7 +323,8 @@ def main(argv=None):
 
     counters = dict(checkpoint.FRESH)  # step, good_steps, consumed_samples, skipped
     if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
-        counters = checkpoint.load(args.load, par, modules, opt, cfg, train_loader, finetune=args.finetune,
+        counters = checkpoint.load(hf_source or args.load, par, modules, opt, cfg, train_loader,
+                                   finetune=args.finetune or hf_source is not None,
                                    load_optim=not (args.no_load_optim or args.eval_only), load_rng=not args.no_load_rng)
     if args.eval_only:  # on the eval data, else on --data; the last line printed is the JSON result
         if eval_loader is None:

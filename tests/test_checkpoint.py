@@ -222,13 +222,12 @@ def test_export_hf_of_sharded_checkpoint(sharded, tmp_path):
     out = str(tmp_path / "hf")
     hf_interop.main(["export-hf", "--load", save, "--out", out])
     cfg, full = checkpoint.load_model(save)
-    vision = load_file(os.path.join(out, hf_interop.VISION_NAME))
-    assert "vision_model.radio_model.model.patch_generator.embedder.weight" in vision
-    assert {"mlp1.0.weight", "mlp1.1.weight", "mlp1.3.weight"} <= set(vision)
-    assert_same(vision, {radio.hf_name(k[len("vision."):]): v for k, v in full.items() if k.startswith("vision.")})
-    cfg2, lm = hf_interop.import_hf(out)
-    assert_same(lm, checkpoint.language_state_dict(full))
-    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in config.LANGUAGE_FIELDS)
+    with open(os.path.join(out, hf_interop.INDEX_NAME if os.path.exists(os.path.join(out, hf_interop.INDEX_NAME))
+                           else "config.json")) as f:
+        assert f.read()
+    cfg2, back = hf_interop.import_hf(out, preset="tiny")
+    assert_same(back, full)
+    assert cfg2 == cfg
 
 
 def test_eval_only_prints_json_last(sharded):

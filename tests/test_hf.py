@@ -14,6 +14,7 @@ import checkpoint
 import config
 import hf_interop
 import model
+import radio
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny ('MEM*EM-E': Mamba, MoE, attention, dense MLP) and a variant with wider routing (top-6 of 16),
@@ -52,6 +53,10 @@ def random_ids(cfg, seed=0, shape=(2, 37)):    # 37: not a multiple of chunk_siz
 @torch.no_grad()
 def our_logits(lm, ids):
     return lm.logits(lm(lm.embed(ids)))
+
+
+def full(lm_state_dict):
+    return {"language." + k: v for k, v in lm_state_dict.items()}
 
 
 def assert_same_tensors(a, b):
@@ -105,11 +110,11 @@ def test_errors_name_file_and_tensor(tmp_path):
 def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     cfg, lm = build_lm(**VARIANTS[variant])
     sd = lm.state_dict()
-    hf_interop.export_hf(cfg, sd, tmp_path, max_shard_bytes=max_shard_bytes)
+    hf_interop.export_hf(cfg, full(sd), tmp_path, max_shard_bytes=max_shard_bytes)
     files = sorted(os.listdir(tmp_path))
     hf_keys = {}
     if max_shard_bytes == hf_interop.DEFAULT_SHARD_BYTES:
-        assert files == ["config.json", "model.safetensors"]
+        assert files == ["config.json", "generation_config.json", "model.safetensors"]
         hf_keys = load_file(tmp_path / "model.safetensors")
     else:
         shards = [f for f in files if f.startswith("model-")]
@@ -141,16 +146,18 @@ def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     assert hf_cfg["num_hidden_layers"] == len(cfg.hybrid_override_pattern)
     assert hf_cfg["initializer_range"] == cfg.init_std and hf_cfg["layer_norm_epsilon"] == cfg.norm_eps
     assert hf_cfg["time_step_min"] == 0.001 and hf_cfg["torch_dtype"] == "float32"
+    # the byte tokenizer's ids (tiny: <s> 509, </s> 508, <|im_end|> 506, <pad> 510), not HF's defaults 1 / 2 / 0
+    assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (509, [508, 506], 510)
 
-    cfg2, sd2 = hf_interop.import_hf(tmp_path)
-    assert_same_tensors(dict(sd), sd2)
+    cfg2, sd2 = hf_interop.import_hf(tmp_path, image_token_id=cfg.image_token_id)
+    assert_same_tensors(full(sd), sd2)
     for field in config.LANGUAGE_FIELDS:
         assert getattr(cfg2, field) == getattr(cfg, field), field
 
 
 def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
     cfg, lm = build_lm()
-    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path, dtype=torch.bfloat16)
+    hf_interop.export_hf(cfg, full(lm.state_dict()), tmp_path, dtype=torch.bfloat16)
     t = load_file(tmp_path / "model.safetensors")
     assert t["backbone.embeddings.weight"].dtype == torch.bfloat16
     assert t["backbone.layers.1.mixer.gate.e_score_correction_bias"].dtype == torch.float32
@@ -159,7 +166,7 @@ def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
 
 def test_import_strictness(tmp_path):
     cfg, lm = build_lm()
-    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path)
+    hf_interop.export_hf(cfg, full(lm.state_dict()), tmp_path)
     path = tmp_path / "model.safetensors"
     t = load_file(path)
     t["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(2, 2)   # MTP head: ignored, like HF does
@@ -171,7 +178,7 @@ def test_import_strictness(tmp_path):
         hf_interop.import_hf(tmp_path)
     del t["backbone.layers.0.mixer.bogus"], t["backbone.layers.4.mixer.experts.5.down_proj.weight"]
     save_file(t, path)
-    with pytest.raises(ValueError, match=r"backbone\.layers\.4\.mixer\.experts\.5\.down_proj\.weight missing"):
+    with pytest.raises(ValueError, match=r"missing tensor backbone\.layers\.4\.mixer\.experts\.5\.down_proj\.weight"):
         hf_interop.import_hf(tmp_path)
     t["backbone.layers.4.mixer.experts.5.down_proj.weight"] = torch.zeros(3, 3)
     save_file(t, path)
@@ -194,7 +201,7 @@ def test_import_strictness(tmp_path):
 def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
     transformers = pytest.importorskip("transformers")
     cfg, lm = build_lm(hf_ready=True, **VARIANTS[variant])
-    hf_interop.export_hf(cfg, lm.state_dict(), tmp_path, max_shard_bytes=100_000)   # sharded: HF reads the index
+    hf_interop.export_hf(cfg, full(lm.state_dict()), tmp_path, max_shard_bytes=100_000)   # sharded: HF reads the index
     hf, info = transformers.NemotronHForCausalLM.from_pretrained(
         tmp_path, output_loading_info=True, dtype=torch.float32, attn_implementation=attn)
     assert all(len(v) == 0 for v in info.values()), info
@@ -236,7 +243,8 @@ def test_import_of_transformers_save_pretrained(tmp_path):
     assert "backbone.layers.2.mixer.experts.7.up_proj.weight" in written
     assert "hybrid_override_pattern" not in json.loads((tmp_path / "config.json").read_text())
 
-    cfg, sd = hf_interop.import_hf(tmp_path)
+    cfg, sd = hf_interop.import_hf(tmp_path, image_token_id=511)
+    sd = checkpoint.language_state_dict(sd)
     assert cfg.hybrid_override_pattern == "M*EM-E" and cfg.moe_shared_expert_intermediate_size == 48
     assert cfg.init_std == 0.02 and cfg.intermediate_size == 40
     lm = model.LanguageModel(cfg)
@@ -254,18 +262,23 @@ def test_import_of_transformers_save_pretrained(tmp_path):
 
 def test_cli_export_then_import(tmp_path):
     cfg, lm = build_lm()
-    sd = {"language." + k: v for k, v in lm.state_dict().items()}
-    sd["vision.embedder.weight"] = torch.randn(4, 4)          # exported apart, under its HF Nemotron-VL name
+    vision = radio.VisionModel(cfg)
+    sd = {**full(lm.state_dict()), **{"vision." + k: v for k, v in vision.state_dict().items()}}
     checkpoint.save_model(tmp_path / "ckpt", cfg, sd)
-    run = lambda *a: subprocess.run([sys.executable, "hf_interop.py", *a], cwd=ROOT, check=True,
-                                    capture_output=True, text=True)
-    run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--max-shard-bytes", "50000")
+    run = lambda *a: subprocess.run([sys.executable, "hf_interop.py", *a], cwd=ROOT, capture_output=True, text=True)
+    out = run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--max-shard-bytes", "50000")
+    assert out.returncode == 0, out.stderr
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    vision = load_file(tmp_path / "hf" / hf_interop.VISION_NAME)
-    assert_same_tensors(vision, {"vision_model.radio_model.model.patch_generator.embedder.weight":
-                                 sd["vision.embedder.weight"]})
-    run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "nemotron_h_omni"
+    out = run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--preset", "tiny")
+    assert out.returncode == 0, out.stderr
+    assert "--preset tiny --load" in out.stdout and "LayerScale (all ones: identity) (4 tensors)" in out.stdout
     cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
-    assert_same_tensors(dict(lm.state_dict()), checkpoint.language_state_dict(sd2))
-    assert all(k.startswith("language.") for k in sd2)
-    assert all(getattr(cfg2, f) == getattr(cfg, f) for f in config.LANGUAGE_FIELDS)
+    assert_same_tensors(sd, sd2)
+    assert cfg2 == cfg
+    run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "lm"), "--language-only")
+    assert json.loads((tmp_path / "lm" / "config.json").read_text())["model_type"] == "nemotron_h"
+    # a user error is one line, no traceback
+    out = run("import-hf", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nowhere' / 'config.json'}: missing: {tmp_path / 'nowhere'} is not an HF model directory"]

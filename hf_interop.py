@@ -335,12 +335,16 @@ class HFSource:
 
     def read(self, name, suffix="", kind="model", shards=(), coords=None, sizes=None):
         """Full tensor `name` in our layout (experts stacked), or this rank's slice like checkpoint.Reader.read."""
+        shards, coords, sizes = [tuple(s) for s in shards], coords or {}, sizes or {}
         if name in self.fresh:
-            t = self.fresh[name]
-        else:
-            per_expert, where = self.where[name]
-            t = torch.stack([self._get(f, k) for f, k in where]) if per_expert else self._get(*where[0])
-        return comm.take_shard(t, [tuple(s) for s in shards], coords or {}, sizes or {})
+            return comm.take_shard(self.fresh[name], shards, coords, sizes)
+        per_expert, where = self.where[name]
+        if not per_expert:
+            return comm.take_shard(self._get(*where[0]), shards, coords, sizes)
+        # one tensor per expert: read only the experts this rank's slice holds (dim 0 of the stack)
+        mine = comm.take_shard(torch.arange(len(where)), [s for s in shards if s[1] == 0], coords, sizes)
+        t = torch.stack([self._get(*where[j]) for j in mine.tolist()])
+        return comm.take_shard(t, [s for s in shards if s[1] != 0], coords, sizes)
 
     def _get(self, path, key):
         if path not in self.handles:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import checkpoint
+import comm
 import data
 import hf_interop
 import model
@@ -122,6 +123,12 @@ def test_omni_import_equals_transformers_and_export_loads_back(omni, tmp_path, c
     assert "video embedder (1 tensors)" in said and "RADIO summary_idxs (1 tensors)" in said
     assert (cfg.vit_hidden, cfg.vit_depth, cfg.vit_heads, cfg.vit_mlp, cfg.vit_cpe_grid, cfg.class_token_len,
             cfg.projector_hidden, cfg.image_token_id) == (32, 2, 4, 64, 16, 3, 128, IMAGE_ID)
+    # a rank's slice reads only its experts: equal to slicing the full stack (ep2 x etp2 here)
+    src, name = hf_interop.HFSource(d, "tiny", say=lambda m: None), "language.backbone.layers.2.mixer.experts.up_proj"
+    shards, sizes = [("ep", 0, None), ("etp", 1, None)], {"ep": 2, "etp": 2}
+    for at in ({"ep": 0, "etp": 1}, {"ep": 1, "etp": 0}):
+        assert torch.equal(src.read(name, shards=shards, coords=at, sizes=sizes),
+                           comm.take_shard(sd[name], shards, at, sizes))
     ids, patches, grids = batch(cfg)
     ours, theirs = our_logits(cfg, sd, ids, patches, grids), hf_logits(hf, ids, patches, grids)
     assert ours.std() > 0.05 and (ours - theirs).abs().max() < 1e-5

@@ -234,7 +234,9 @@ def test_processor_parity(omni, tmp_path):
     proc = transformers.NemotronH_Omni_Reasoning_V3Processor(
         image_processor=transformers.NemotronH_Omni_Reasoning_V3ImageProcessor(
             min_num_patches=cfg.min_num_patches, max_num_patches=cfg.max_num_patches,
-            max_model_len=cfg.seq_len - n_text + 4), tokenizer=transformers.AutoTokenizer.from_pretrained(d))
+            max_model_len=cfg.seq_len - n_text + 4), tokenizer=transformers.AutoTokenizer.from_pretrained(d),
+        video_processor=transformers.NemotronH_Omni_Reasoning_V3VideoProcessor(),
+        feature_extractor=transformers.ParakeetFeatureExtractor())
     conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": "ok"}]
     text = proc.tokenizer.apply_chat_template(conv, tokenize=False)

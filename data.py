@@ -6,7 +6,7 @@ CLIP-normalised and already at their patch-aligned size (None where the rank ask
 document id per token of a packed row (None when unpacked). Image i occupies h_i*w_i/4 consecutive placeholder
 tokens (image_token_id) in input_ids (vision.md §11.1).
 
-Real data (--data PATH or "0.7:a.jsonl,0.3:b.jsonl"): JSONL, one document per line, any of
+Real data (--data PATH or "0.7:a.jsonl,0.3:b/*.parquet"; files, formats and record shapes: formats.py), any of
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": "..."},
                 {"type": "image", "image": "path relative to the JSONL file, or absolute"}]}, ...]}
   {"text": "..."}                                  BOS + text + EOS, all trained
@@ -14,10 +14,10 @@ Real data (--data PATH or "0.7:a.jsonl,0.3:b.jsonl"): JSONL, one document per li
 Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, the k-th draw of s is document
 perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is the k-th row of a next-fit packing of
 s's permuted document stream. Token lengths come from a one-time index of every file, cached beside it.
+A document longer than seq_len is, by --overlong, an error (a counted skip under --skip-bad-samples), a counted skip,
+or truncated (formats.truncate: never inside an image).
 """
-import base64
 import hashlib
-import io
 import json
 import os
 import re
@@ -28,14 +28,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import formats
 import parallel
 import radio
+from formats import Bad, BadSample, Overlong
 
 # Special tokens of the chat template (ChatML as in Nemotron Nano v2 / Nano-VL): <|im_start|>role\n...<|im_end|>\n;
 # an image is <img> + <image> x M + </img> (vision.md §11.1). The byte tokenizer reserves all of them.
 SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<img>", "</img>")
 ROLES = ("system", "user", "assistant")
-MAX_LOGGED = 5  # bad lines whose reasons are printed per file under --skip-bad-samples
 
 
 @dataclass
@@ -45,14 +46,6 @@ class Sample:
     images: list
     seq_idx: torch.Tensor = None
     n_pad: int = 0                    # padding tokens at the end of the row (not routed or counted by MoE layers)
-
-
-class BadSample(ValueError):
-    """A bad input line; the message starts with file:line."""
-
-
-class _Bad(Exception):
-    """The reason a document is bad, before its file and line are known."""
 
 
 # ---------------------------------------------------------------- mock data
@@ -190,7 +183,7 @@ class HFTokenizer:
             if m["role"] == "assistant":
                 head, upto = apply(messages[:i], add_generation_prompt=True), apply(messages[:i + 1])
                 if not (upto.startswith(head) and text.startswith(upto)):
-                    raise _Bad("the chat template does not render this chat prefix by prefix, so assistant turns "
+                    raise Bad("the chat template does not render this chat prefix by prefix, so assistant turns "
                                "cannot be located; add {% generation %} markers to it")
                 spans.append((len(head), len(upto)))
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -221,9 +214,9 @@ def _open_image(path, pixels, verify=False):
                 return size, None
             rgb = np.asarray(im.convert("RGB"))
     except FileNotFoundError:
-        raise _Bad(f"missing image {path}") from None
+        raise Bad(f"missing image {path}") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise _Bad(f"undecodable image {path}: {e}") from None
+        raise Bad(f"undecodable image {getattr(path, 'name', path)}: {e}") from None
     return size, torch.from_numpy(rgb.copy()).permute(2, 0, 1)
 
 
@@ -231,63 +224,49 @@ def _part(part):
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return "text", part["text"]
-    if kind == "image" and isinstance(part.get("image"), str):
+    if kind == "image" and isinstance(part.get("image"), (str, bytes)):   # bytes: stored in the record
         return "image", part["image"]
     url = part.get("image_url") if kind == "image_url" else None
     url = url.get("url") if isinstance(url, dict) else url
     if isinstance(url, str):
         return "image", url
-    raise _Bad(f"bad content part {str(part)[:80]} (expected type text, image or image_url)")
-
-
-def _image_source(ref, base_dir):
-    """An image reference -> what PIL opens: a path (relative to the data file) or the bytes of a data: URL."""
-    if ref.startswith("data:"):
-        head, _, payload = ref.partition(",")
-        if not head.endswith(";base64"):
-            raise _Bad(f"image data URL {ref[:40]}...: only base64 data URLs are supported")
-        try:
-            return io.BytesIO(base64.b64decode(payload, validate=True))
-        except ValueError as e:
-            raise _Bad(f"image data URL {ref[:40]}...: bad base64 ({e})") from None
-    if re.match(r"^[a-z]+://", ref):
-        raise _Bad(f"image {ref}: remote URLs are not fetched; download it and give its path")
-    return os.path.join(base_dir, ref)
+    raise Bad(f"bad content part {str(part)[:80]} (expected type text, image or image_url)")
 
 
 class Encoder:
     """Turns one JSONL object into (token ids, target mask, images) with the chat template and the token budget."""
 
-    def __init__(self, tok, cfg, train_on="assistant"):
+    def __init__(self, tok, cfg, train_on="assistant", overlong="error"):
         if train_on not in ("assistant", "all"):
             raise SystemExit(f"--train-on must be assistant or all, got {train_on!r}")
-        self.tok, self.cfg, self.train_on, self.sp = tok, cfg, train_on, tok.special
+        self.tok, self.cfg, self.train_on, self.sp, self.overlong = tok, cfg, train_on, tok.special, overlong
+        self.n_truncated = 0                         # documents truncated so far (the index counts them)
         self.fingerprint = json.dumps([tok.fingerprint, train_on, cfg.seq_len, cfg.vit_patch, cfg.min_num_patches,
-                                       cfg.max_num_patches, cfg.vocab_size, cfg.image_token_id])
+                                       cfg.max_num_patches, cfg.vocab_size, cfg.image_token_id, overlong])
 
     def pieces(self, obj):
         """-> [(token ids, trained: bool or one per id) | (image path, trained)] in stream order."""
         if not isinstance(obj, dict):
-            raise _Bad("a line must hold a JSON object")
+            raise Bad("a line must hold a JSON object")
         sp, enc = self.sp, self.tok.encode
         if "messages" in obj:
             return self.chat(obj["messages"])
         if "text" in obj:
             if not isinstance(obj["text"], str) or not obj["text"]:
-                raise _Bad("'text' must be a non-empty string")
+                raise Bad("'text' must be a non-empty string")
             bos = [sp["<s>"]] if "<s>" in sp else []
             return [(bos, False), (enc(obj["text"]) + [sp["</s>"]], True)]
         if "input_ids" in obj:
             ids, mask = obj["input_ids"], obj.get("loss_mask")
             V = self.cfg.vocab_size
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < V for i in ids):
-                raise _Bad(f"'input_ids' must be a non-empty list of ids in [0, {V})")
+                raise Bad(f"'input_ids' must be a non-empty list of ids in [0, {V})")
             if mask is None:
                 mask = [1] * len(ids)
             if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
-                raise _Bad("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
+                raise Bad("'loss_mask' must be a list of 0/1 as long as 'input_ids'")
             return [(ids, [bool(m) for m in mask])]
-        raise _Bad("expected a 'messages', 'text' or 'input_ids' field")
+        raise Bad("expected a 'messages', 'text' or 'input_ids' field")
 
     def chat(self, messages):
         """Messages -> pieces: by the tokenizer's chat template when it has one, else by ChatML written here
@@ -302,7 +281,7 @@ class Encoder:
             images = [x for _, c in turns if not isinstance(c, str) for kind, x in c if kind == "image"]
             at = [t for t, i in enumerate(ids) if i == self.cfg.image_token_id]
             if len(at) != len(images):
-                raise _Bad(f"the chat template rendered {len(at)} <image> tokens for {len(images)} images")
+                raise Bad(f"the chat template rendered {len(at)} <image> tokens for {len(images)} images")
             out, prev = [], 0
             for t, ref in zip(at + [len(ids)], images + [None]):
                 out.append((ids[prev:t], [everything or m for m in mask[prev:t]]))
@@ -325,20 +304,20 @@ class Encoder:
         """Checked messages -> [(role, str | [("text", str) | ("image", reference)])]. Image parts: {"type": "image",
         "image": PATH} or OpenAI's {"type": "image_url", "image_url": {"url": PATH | data: URL}}."""
         if not isinstance(messages, list) or not messages:
-            raise _Bad("'messages' must be a non-empty list")
+            raise Bad("'messages' must be a non-empty list")
         turns = []
         for m in messages:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in ROLES:
-                raise _Bad(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+                raise Bad(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
             content = m.get("content")
             if not isinstance(content, (str, list)):
-                raise _Bad(f"{role} content must be a string or a list of parts")
+                raise Bad(f"{role} content must be a string or a list of parts")
             parts = content if isinstance(content, str) else [_part(p) for p in content]
             filled = bool(content.strip()) if isinstance(content, str) else \
                 any(kind == "image" or x.strip() for kind, x in parts)
             if role == "assistant" and not filled:      # would train the model to answer with nothing
-                raise _Bad("empty assistant turn")
+                raise Bad("empty assistant turn")
             turns.append((role, parts))
         return turns
 
@@ -348,32 +327,37 @@ class Encoder:
         cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
         pieces = self.pieces(obj)
         wrap = ("<img>" in sp) + ("</img>" in sp)
-        paths = [_image_source(x, base_dir) for x, _ in pieces if isinstance(x, str)]
-        n_text = sum(len(x) for x, _ in pieces if not isinstance(x, str)) + wrap * len(paths)
-        if any(cfg.image_token_id in x for x, _ in pieces if not isinstance(x, str)):
-            raise _Bad("text holds the image token; its placeholders would not match the images")
+        paths = [formats.image_source(x, base_dir) for x, _ in pieces if not isinstance(x, list)]
+        n_text = sum(len(x) for x, _ in pieces if isinstance(x, list)) + wrap * len(paths)
+        if any(cfg.image_token_id in x for x, _ in pieces if isinstance(x, list)):
+            raise Bad("text holds the image token; its placeholders would not match the images")
         opened = [_open_image(path, pixels, verify) for path in paths]
         grids = radio.compute_params([size for size, _ in opened], max(cfg.seq_len - n_text, 0),
                                      cfg.min_num_patches, cfg.max_num_patches, p)
-        ids, mask, images, k = [], [], [], 0
+        ids, mask, images, runs = [], [], [], []      # runs: [start, end) of each image's tokens
         for x, train in pieces:
-            if isinstance(x, str):
+            if not isinstance(x, list):
+                k = len(runs)
                 (th, tw), (_, u8) = grids[k], opened[k]
                 run = [sp["<img>"]] * ("<img>" in sp) + [cfg.image_token_id] * (th * tw // 4) + \
                     [sp["</img>"]] * ("</img>" in sp)
+                runs.append((len(ids), len(ids) + len(run)))
                 ids += run
                 mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
                 if pixels:                   # normalise, then resize: linear, so the order does not matter
                     images.append(F.interpolate(radio.normalize(u8)[None], size=(th * p, tw * p), mode="bicubic",
                                                 align_corners=False, antialias=True)[0])
-                k += 1
             else:
                 ids += x
                 mask += train if isinstance(train, list) else [train] * len(x)
-        if len(ids) > cfg.seq_len:
-            raise _Bad(f"{len(ids)} tokens is longer than seq_len {cfg.seq_len}")
+        long = len(ids) > cfg.seq_len
+        if long and self.overlong != "truncate":
+            raise Overlong(f"{len(ids)} tokens is longer than seq_len {cfg.seq_len} (see --overlong)")
+        if long:
+            ids, mask, kept = formats.truncate(ids, mask, runs, cfg.seq_len)
+            images, self.n_truncated = images[:kept], self.n_truncated + 1
         if not any(m and t != cfg.image_token_id for t, m in zip(ids[1:], mask[1:])):
-            raise _Bad("no tokens to train on")
+            raise (Overlong if long else Bad)("no tokens to train on" + " in its first seq_len tokens" * long)
         return ids, mask, images if pixels else None
 
 
@@ -396,68 +380,6 @@ def make_row(docs, cfg, pad_id, packed):
 
 
 # ---------------------------------------------------------------- indexing
-
-def index_file(path, encoder, skip_bad=False, verbose=True):
-    """One pass over a JSONL file: every good line's byte offset, line number and token length. Cached beside the
-    file, keyed by its size, mtime and everything that changes lengths or validity."""
-    st = os.stat(path)
-    key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
-                                     skip_bad]).encode()).hexdigest()[:16]
-    cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
-    if os.path.exists(cache):
-        with np.load(cache) as z:
-            idx = {k: z[k] for k in z.files}
-    else:
-        base, rows, bad = os.path.dirname(os.path.abspath(path)), [], []
-        with open(path, "rb") as f, tqdm(total=st.st_size, unit="B", unit_scale=True, desc=f"indexing {path}",
-                                         disable=not verbose or st.st_size < 2 ** 24) as bar:
-            offset = 0
-            for lineno, raw in enumerate(f, 1):
-                bar.update(len(raw))
-                if raw.strip():
-                    try:
-                        ids, _, _ = encoder.encode(parse_line(raw), base, pixels=False, verify=True)
-                        rows.append((offset, lineno, len(ids)))
-                    except _Bad as e:
-                        if not skip_bad:
-                            raise BadSample(f"{path}:{lineno}: {e}") from None
-                        bad.append(f"{path}:{lineno}: {e}")
-                offset += len(raw)
-        a = np.array(rows, dtype=np.int64).reshape(-1, 3)
-        idx = dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], bad=np.array(bad, dtype=str))
-        try:                                         # atomic: ranks may index the same file at once
-            tmp = f"{cache}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                np.savez(f, **idx)
-            os.replace(tmp, cache)
-        except OSError:
-            pass                                     # read-only data directory: index again next time
-    if verbose and len(idx["bad"]):
-        print(f"{path}: skipped {len(idx['bad'])} bad line(s); first reasons:\n  " +
-              "\n  ".join(idx["bad"][:MAX_LOGGED]), flush=True)
-    if not len(idx["offsets"]):
-        raise SystemExit(f"{path}: no usable documents")
-    return idx
-
-
-def parse_line(raw):
-    try:
-        return json.loads(raw)
-    except ValueError as e:                          # JSONDecodeError and UnicodeDecodeError
-        raise _Bad(f"malformed JSON: {e}") from None
-
-
-def parse_blend(spec):
-    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b.jsonl" -> [(0.7, "a.jsonl"), (0.3, "b.jsonl")]."""
-    out = []
-    for item in spec.split(","):
-        m = re.match(r"^\s*([0-9.]+(?:[eE][-+]?\d+)?):(.+)$", item)
-        weight, path = (float(m.group(1)), m.group(2).strip()) if m else (1.0, item.strip())
-        if weight <= 0 or not path:
-            raise SystemExit(f"bad --data entry {item!r}: expected WEIGHT:PATH with WEIGHT > 0")
-        out.append((weight, path))
-    return out
-
 
 # ---------------------------------------------------------------- the dataset
 
@@ -529,13 +451,11 @@ class RealData:
 
     def load(self, s, d, pixels):
         _, path, idx = self.sources[s]
-        with open(path, "rb") as f:
-            f.seek(int(idx["offsets"][d]))
-            raw = f.readline()
-        where = f"{path}:{int(idx['lines'][d])}"
+        where = formats.where(path, int(idx["lines"][d]), idx["kind"])
         try:
-            ids, mask, images = self.enc.encode(parse_line(raw), os.path.dirname(os.path.abspath(path)), pixels)
-        except _Bad as e:   # e.g. an image that passed the header check but does not decode
+            ids, mask, images = self.enc.encode(formats.read(path, idx, d), os.path.dirname(os.path.abspath(path)),
+                                                pixels)
+        except Bad as e:   # e.g. an image that passed the header check but does not decode
             raise BadSample(f"{where}: {e}") from None
         if len(ids) != idx["lengths"][d]:
             raise BadSample(f"{where}: {len(ids)} tokens, the index says {idx['lengths'][d]}; file changed?")
@@ -550,13 +470,20 @@ class RealData:
 
 def build(args, cfg, verbose=True):
     """(train data, eval data or None) from the command line (--data, --eval-data, --eval-frac, --tokenizer,
-    --train-on, --pack, --skip-bad-samples)."""
+    --train-on, --pack, --skip-bad-samples, --overlong, --data-columns)."""
     if args.data == "mock":
         return MockData(cfg, args.seed), MockData(cfg, args.seed + 1)
-    enc = Encoder(load_tokenizer(args.tokenizer, cfg), cfg, args.train_on)
+    enc = Encoder(load_tokenizer(args.tokenizer, cfg), cfg, args.train_on, args.overlong)
+    columns = formats.parse_columns(args.data_columns)
 
-    def sources(spec):
-        return [(w, p, index_file(p, enc, args.skip_bad_samples, verbose)) for w, p in parse_blend(spec)]
+    def sources(spec):   # the files of one entry share its weight by their document counts
+        out = []
+        for w, entry in formats.parse_blend(spec):
+            files = formats.expand(entry)
+            idx = [formats.index_file(p, enc, columns, args.skip_bad_samples, verbose) for p in files]
+            total = sum(len(i["offsets"]) for i in idx)
+            out += [(w * len(i["offsets"]) / total, p, i) for p, i in zip(files, idx)]
+        return out
 
     train = sources(args.data)
     if args.eval_data:
@@ -575,8 +502,8 @@ def build(args, cfg, verbose=True):
         if cut < 1:
             raise SystemExit(f"{p}: {n} documents are too few to hold out --eval-frac {args.eval_frac}")
         keys = ("offsets", "lines", "lengths")
-        head.append((w, p, {k: idx[k][:cut] for k in keys}))
-        tail.append((w, p, {k: idx[k][cut:] for k in keys}))
+        head.append((w, p, {**idx, **{k: idx[k][:cut] for k in keys}}))
+        tail.append((w, p, {**idx, **{k: idx[k][cut:] for k in keys}}))
     return RealData(head, enc, args.seed, args.pack), RealData(tail, enc, args.seed, args.pack, "eval")
 
 

@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", default="mock", help="mock | PATH.jsonl | weighted blend '0.7:a.jsonl,0.3:b.jsonl'")
+    p.add_argument("--data", default="mock", help="mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend '0.7:a.jsonl,0.3:b/*.parquet'")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (or blend) for --eval-every")
     p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (its chat template renders chats) or "
@@ -69,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--train-on", choices=["assistant", "all"], default="assistant", help="chat tokens with loss")
     p.add_argument("--pack", action="store_true", help="pack documents into seq_len rows (document masks)")
     p.add_argument("--skip-bad-samples", action="store_true", help="skip and count bad JSONL lines, not fail")
+    p.add_argument("--overlong", choices=["error", "skip", "truncate"], default="error",
+                   help="a document longer than seq_len: fail (counted skip under --skip-bad-samples), skip, or "
+                   "truncate it (never inside an image)")
+    p.add_argument("--data-columns", default=None, help="parquet columns, e.g. messages=conversations,images=image")
     p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers; default 2 on GPU, 0 on CPU")
     p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3],
                    help="1: projector only, 2: vision tower frozen, 3: everything")

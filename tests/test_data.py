@@ -10,6 +10,7 @@ from PIL import Image
 
 import config
 import data
+import formats
 import model
 import radio
 
@@ -32,7 +33,7 @@ def write_jsonl(path, lines):
 
 def args(path, **kw):
     base = dict(data=path, seed=7, tokenizer=None, train_on="assistant", skip_bad_samples=False, eval_data=None,
-                eval_frac=0.0, pack=False, eval_every=0)
+                eval_frac=0.0, pack=False, eval_every=0, overlong="error", data_columns=None)
     return types.SimpleNamespace(**{**base, **kw})
 
 
@@ -248,7 +249,7 @@ def test_index_is_cached(tmp_path, monkeypatch, chat_file):
     first, _ = build(chat_file)
     assert any(f.endswith(".idx.npz") for f in os.listdir(tmp_path))
     monkeypatch.setattr(data.Encoder, "encode", lambda *a, **k: pytest.fail("re-indexed"))
-    again = data.index_file(chat_file, data.Encoder(TOK, CFG), verbose=False)
+    again = formats.index_file(chat_file, data.Encoder(TOK, CFG), verbose=False)
     assert again["lengths"].tolist() == first.sources[0][2]["lengths"].tolist()
 
 

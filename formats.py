@@ -1,0 +1,379 @@
+"""Where documents come from: files (JSONL, JSON arrays, parquet shards), the record shapes people store chats in,
+and the one-pass index of every file. data.py turns the records this module hands it into tokens.
+
+Files: `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or globs; the files of
+one entry share its blend weight in proportion to their document counts. A .json file holding a top-level array is
+read element by element; any other .json / .jsonl is one record per line; .parquet is read with pyarrow (optional:
+pip install -e '.[parquet]'), one row group at a time, so memory never depends on the dataset's size.
+Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}):
+  LLaVA / ShareGPT   {"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
+                     {"from": "gpt", "value": "..."}]}: each <image> (and the newline after it) is the next image
+  messages + images  {"messages": [... {"type": "image"} ...], "images": [...]} (HF datasets): each image part
+                     without a reference takes the next entry of "images"
+Image entries may be paths (relative to the data file), bytes, or HF {"bytes": ..., "path": ...} structs.
+Parquet columns: --data-columns messages=NAME,images=NAME; by default the first of messages / conversations / text
+and of images / image that the file has.
+"""
+import array
+import base64
+import functools
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+COLUMNS = {"messages": ("messages", "conversations", "text"), "images": ("images", "image")}
+SUFFIXES = (".jsonl", ".json", ".parquet")
+MAX_LOGGED = 5  # bad records whose reasons are printed per file under --skip-bad-samples
+SPACE = re.compile(r"\s*")
+
+
+class BadSample(ValueError):
+    """A bad input record; the message starts with file:line (file:row N for parquet)."""
+
+
+class Bad(Exception):
+    """The reason a document is bad, before its file and line are known."""
+
+
+class Overlong(Bad):
+    """A document longer than seq_len: an error, a counted skip or truncated, by --overlong."""
+
+
+# ---------------------------------------------------------------- files
+
+def parse_blend(spec):
+    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b/*.parquet" -> [(0.7, "a.jsonl"), (0.3, "b/*.parquet")]."""
+    out = []
+    for item in spec.split(","):
+        m = re.match(r"^\s*([0-9.]+(?:[eE][-+]?\d+)?):(.+)$", item)
+        weight, path = (float(m.group(1)), m.group(2).strip()) if m else (1.0, item.strip())
+        if weight <= 0 or not path:
+            raise SystemExit(f"bad --data entry {item!r}: expected WEIGHT:PATH with WEIGHT > 0")
+        out.append((weight, path))
+    return out
+
+
+def expand(entry):
+    """A --data path, directory or glob -> its files, sorted."""
+    if os.path.isdir(entry):
+        files = [os.path.join(entry, f) for f in sorted(os.listdir(entry)) if f.endswith(SUFFIXES)]
+    else:
+        files = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry] * os.path.exists(entry)
+    if not files:
+        raise SystemExit(f"--data {entry}: no such file, or no {'/'.join(SUFFIXES)} files there")
+    return files
+
+
+def parse_columns(spec):
+    """"messages=conv,images=img" -> {"messages": "conv", "images": "img"} (None: the defaults)."""
+    out = {}
+    for item in (spec or "").split(",") if spec else []:
+        role, _, name = item.partition("=")
+        if role.strip() not in COLUMNS or not name.strip():
+            raise SystemExit(f"bad --data-columns entry {item!r}: expected messages=NAME or images=NAME")
+        out[role.strip()] = name.strip()
+    return out
+
+
+def _kind(path):
+    if path.endswith(".parquet"):
+        return "parquet"
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return "array" if head.startswith(b"[") else "lines"
+
+
+def where(path, line, kind):
+    return f"{path}:row {line}" if kind == "parquet" else f"{path}:{line}"
+
+
+def _parse(raw):
+    try:
+        return to_record(json.loads(raw))
+    except ValueError as e:                          # JSONDecodeError and UnicodeDecodeError
+        raise Bad(f"malformed JSON: {e}") from None
+
+
+def _array_scan(f, path):
+    """(byte offset, line, raw bytes) of each element of a top-level JSON array, read 1 MiB at a time. The text is
+    decoded as latin-1 (one char per byte) only to find where each element ends: UTF-8 never puts an ASCII byte
+    inside a multi-byte character, so the bounds are right, and the element's bytes are parsed again as UTF-8."""
+    dec, text, base, pos, line, eof = json.JSONDecoder(), "", 0, 0, 1, False
+
+    def more(n=1 << 20):                             # drop what is consumed, read on
+        nonlocal text, base, pos, eof
+        chunk = f.read(max(n, len(text) - pos))
+        text, base, pos, eof = text[pos:] + chunk.decode("latin-1"), base + pos, 0, not chunk
+
+    def skip(expected):                              # whitespace, then one of `expected` -> that char
+        nonlocal pos, line
+        while True:
+            end = SPACE.match(text, pos).end()
+            line, pos = line + text.count("\n", pos, end), end
+            if pos < len(text) or eof:
+                break
+            more()
+        if pos == len(text) or text[pos] not in expected:
+            raise BadSample(f"{path}:{line}: malformed JSON array (expected one of {expected!r})")
+        return text[pos]
+
+    skip("[")
+    pos += 1
+    while True:
+        if skip("]{") == "]":
+            return
+        try:
+            _, end = dec.raw_decode(text, pos)
+        except ValueError:
+            if eof:
+                raise BadSample(f"{path}:{line}: malformed JSON array element") from None
+            more(len(text))
+            continue
+        yield base + pos, line, text[pos:end].encode("latin-1")
+        line, pos = line + text.count("\n", pos, end), end
+        if skip(",]") == "]":
+            return
+        pos += 1
+
+
+@functools.lru_cache(maxsize=64)
+def _parquet(path, pid):
+    """(ParquetFile, first row of each row group); per process: DataLoader workers must not share file handles."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SystemExit(f"{path}: reading parquet needs pyarrow: pip install -e '.[parquet]'") from None
+    pf = pq.ParquetFile(path)
+    rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+    return pf, np.cumsum([0] + rows)
+
+
+@functools.lru_cache(maxsize=4)
+def _row_group(path, pid, i, columns):
+    return _parquet(path, pid)[0].read_row_group(i, columns=list(columns))
+
+
+def _resolve_columns(path, wanted):
+    """-> (messages column, images column or "") of this parquet file."""
+    names = _parquet(path, os.getpid())[0].schema_arrow.names
+    out = []
+    for role, defaults in COLUMNS.items():
+        found = wanted[role] if wanted.get(role) in names else next((n for n in defaults if n in names), "")
+        if role in wanted and found != wanted[role] or role == "messages" and not found:
+            raise SystemExit(f"{path}: no column {wanted.get(role, ' or '.join(defaults))} (it has {names}); "
+                             "name yours with --data-columns messages=NAME,images=NAME")
+        out.append(found)
+    return tuple(out)
+
+
+def _from_row(row, columns):
+    turns, images = row[columns[0]], row[columns[1]] if columns[1] else None
+    if turns is None:
+        raise Bad(f"no {columns[0]} in this row")
+    record = {"text": turns} if isinstance(turns, str) else {"messages": turns}
+    return to_record({**record, "images": images} if images is not None else record)
+
+
+def scan(path, kind, columns):
+    """-> iterator of (key, line, record()): key finds the record again (read), line (parquet: row) names it in
+    messages; record() returns it in data.py's form or raises Bad."""
+    if kind == "parquet":
+        pf, _ = _parquet(path, os.getpid())
+        row = 0
+        for i in range(pf.num_row_groups):           # one row group in memory at a time
+            for r in pf.read_row_group(i, columns=[c for c in columns if c]).to_pylist():
+                yield row, row, functools.partial(_from_row, r, columns)
+                row += 1
+        return
+    with open(path, "rb") as f:
+        if kind == "array":
+            for offset, line, raw in _array_scan(f, path):
+                yield offset, line, functools.partial(_parse, raw)
+            return
+        offset = 0
+        for line, raw in enumerate(f, 1):
+            if raw.strip():
+                yield offset, line, functools.partial(_parse, raw)
+            offset += len(raw)
+
+
+def read(path, idx, d):
+    """Record d of an index of `path` (raises Bad)."""
+    key, kind = int(idx["offsets"][d]), str(idx["kind"])
+    if kind == "parquet":
+        pid, cols = os.getpid(), tuple(str(c) for c in idx["columns"])
+        _, starts = _parquet(path, pid)
+        g = int(np.searchsorted(starts, key, side="right")) - 1
+        table = _row_group(path, pid, g, tuple(c for c in cols if c))
+        return _from_row(table.slice(key - int(starts[g]), 1).to_pylist()[0], cols)
+    with open(path, "rb") as f:
+        f.seek(key)
+        if kind == "lines":
+            return _parse(f.readline())
+        raw, n = b"", 1 << 16
+        while True:
+            chunk = f.read(n)
+            raw += chunk
+            try:
+                return _parse(raw[:json.JSONDecoder().raw_decode(raw.decode("latin-1"))[1]])
+            except ValueError:
+                if not chunk:
+                    raise Bad("malformed JSON array element") from None
+            n *= 2
+
+
+# ---------------------------------------------------------------- records
+
+def _image(entry):
+    """An image entry -> a path (str) or encoded bytes."""
+    if isinstance(entry, dict):
+        entry = entry.get("bytes") or entry.get("path")
+    if isinstance(entry, (str, bytes)) and entry:
+        return entry
+    raise Bad(f"bad image entry {str(entry)[:80]} (expected a path, bytes or {{'bytes': ..., 'path': ...}})")
+
+
+def _images(value):
+    return [] if value is None else [_image(e) for e in (value if isinstance(value, list) else [value])]
+
+
+def to_record(obj):
+    """A decoded record -> data.py's form: LLaVA conversations become messages; image parts without a reference
+    take the next entry of "images"."""
+    if not isinstance(obj, dict):
+        return obj
+    turns = obj.get("conversations", obj.get("messages"))
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
+        return _llava(turns, _images(obj.get("image", obj.get("images"))))
+    if "images" not in obj or not isinstance(turns, list):
+        return obj
+    images, messages, k = _images(obj["images"]), [], 0
+    for m in turns:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            parts = []
+            for p in m["content"]:
+                if isinstance(p, dict) and p.get("type") == "image" and not p.get("image"):
+                    p, k = {"type": "image", "image": images[k] if k < len(images) else None}, k + 1
+                parts.append(p)
+            m = {**m, "content": parts}
+        messages.append(m)
+    if k != len(images):
+        raise Bad(f"{k} image parts for {len(images)} images")
+    return {"messages": messages}
+
+
+def _llava(turns, images):
+    messages, k = [], 0
+    for t in turns:
+        role, value = (LLAVA_ROLES.get(t.get("from")), t.get("value")) if isinstance(t, dict) else (None, None)
+        if role is None or not isinstance(value, str):
+            raise Bad(f"bad conversation turn {str(t)[:80]} (expected from: human/gpt/system and a string value)")
+        pieces = re.split(r"<image>\n?", value)
+        content = [{"type": "text", "text": pieces[0]}] * bool(pieces[0])
+        for text in pieces[1:]:
+            content.append({"type": "image", "image": images[k] if k < len(images) else None})
+            content += [{"type": "text", "text": text}] * bool(text)
+            k += 1
+        messages.append({"role": role, "content": value if len(pieces) == 1 else content})
+    if k != len(images):
+        raise Bad(f"{k} <image> markers for {len(images)} images")
+    return {"messages": messages}
+
+
+def image_source(ref, base_dir):
+    """An image reference -> what PIL opens: a path (relative to the data file), or the bytes of a data: URL or of
+    an image stored in the record."""
+    if isinstance(ref, bytes):
+        return _named(ref, "embedded image")
+    if ref.startswith("data:"):
+        head, _, payload = ref.partition(",")
+        if not head.endswith(";base64"):
+            raise Bad(f"image data URL {ref[:40]}...: only base64 data URLs are supported")
+        try:
+            return _named(base64.b64decode(payload, validate=True), f"data URL {ref[:40]}...")
+        except ValueError as e:
+            raise Bad(f"image data URL {ref[:40]}...: bad base64 ({e})") from None
+    if re.match(r"^[a-z]+://", ref):
+        raise Bad(f"image {ref}: remote URLs are not fetched; download it and give its path")
+    return os.path.join(base_dir, ref)
+
+
+def _named(raw, name):
+    f = io.BytesIO(raw)
+    f.name = name   # what error messages call it
+    return f
+
+
+def truncate(ids, mask, runs, seq_len):
+    """The first seq_len tokens of a document, never cutting through an image: an image run [a, b) that does not
+    fit ends the document before it. -> (ids, mask, images kept)."""
+    cut, kept = seq_len, len(runs)
+    for k, (a, b) in enumerate(runs):
+        if b > seq_len:
+            cut, kept = min(a, seq_len), k
+            break
+    return ids[:cut], mask[:cut], kept
+
+
+# ---------------------------------------------------------------- the index
+
+def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
+    """One pass over a file: every good record's key (byte offset, or parquet row), line (row) and token length.
+    Cached beside the file, keyed by its size, mtime and everything that changes lengths or validity. Among the
+    ranks of a node, local rank 0 indexes and the others wait for its cache (where the directory is writable)."""
+    st = os.stat(path)
+    key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
+                                     skip_bad, sorted((columns or {}).items())]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
+    if int(os.environ.get("LOCAL_RANK", 0)) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        while not os.path.exists(cache):   # a failure on local rank 0 ends the job (torchrun stops every rank)
+            time.sleep(0.2)
+    if os.path.exists(cache):
+        with np.load(cache) as z:
+            idx = {k: z[k] for k in z.files}
+    else:
+        idx = _index(path, encoder, columns or {}, skip_bad, verbose and st.st_size >= 2 ** 24)
+        try:                                         # atomic: readers never see half a file
+            tmp = f"{cache}.{os.getpid()}.tmp"
+            with open(tmp, "wb") as f:
+                np.savez(f, **idx)
+            os.replace(tmp, cache)
+        except OSError:
+            pass                                     # read-only data directory: index again next time
+    counts = [f"{int(idx['truncated'])} truncated to seq_len"] * bool(idx["truncated"]) + \
+        [f"skipped {len(idx['overlong'])} over-long"] * bool(len(idx["overlong"])) + \
+        [f"skipped {len(idx['bad'])} bad line(s)"] * bool(len(idx["bad"]))
+    if verbose and counts:
+        reasons = list(idx["bad"][:MAX_LOGGED]) + list(idx["overlong"][:MAX_LOGGED])
+        print(f"{path}: {len(idx['offsets'])} documents, " + ", ".join(counts) + "; first reasons:\n  " +
+              "\n  ".join(reasons), flush=True)
+    if not len(idx["offsets"]):
+        raise SystemExit(f"{path}: no usable documents")
+    return idx
+
+
+def _index(path, encoder, columns, skip_bad, progress):
+    base, kind = os.path.dirname(os.path.abspath(path)), _kind(path)
+    cols = _resolve_columns(path, columns) if kind == "parquet" else ()
+    rows, bad, overlong, truncated = array.array("q"), [], [], encoder.n_truncated
+    for key, line, record in tqdm(scan(path, kind, cols), f"indexing {path}", unit=" records", disable=not progress):
+        try:
+            ids, _, _ = encoder.encode(record(), base, pixels=False, verify=True)
+            rows.extend((key, line, len(ids)))
+        except Bad as e:
+            skip_long = isinstance(e, Overlong) and encoder.overlong != "error"
+            if not (skip_bad or skip_long):
+                raise BadSample(f"{where(path, line, kind)}: {e}") from None
+            (overlong if skip_long else bad).append(f"{where(path, line, kind)}: {e}")
+    a = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
+    return dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], bad=np.array(bad, dtype=str), kind=np.array(kind),
+                overlong=np.array(overlong, dtype=str), truncated=np.array(encoder.n_truncated - truncated),
+                columns=np.array(cols, dtype=str))

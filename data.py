@@ -355,9 +355,10 @@ class Encoder:
             raise Overlong(f"{len(ids)} tokens is longer than seq_len {cfg.seq_len} (see --overlong)")
         if long:
             ids, mask, kept = formats.truncate(ids, mask, runs, cfg.seq_len)
-            images, self.n_truncated = images[:kept], self.n_truncated + 1
+            images = images[:kept]
         if not any(m and t != cfg.image_token_id for t, m in zip(ids[1:], mask[1:])):
             raise (Overlong if long else Bad)("no tokens to train on" + " in its first seq_len tokens" * long)
+        self.n_truncated += long
         return ids, mask, images if pixels else None
 
 

@@ -202,3 +202,39 @@ def test_truncate_keeps_whole_images():
     assert formats.truncate(list(range(20)), [1] * 20, runs, 12) == (list(range(12)), [1] * 12, 2)
     assert formats.truncate(list(range(20)), [1] * 20, runs, 4) == ([0, 1], [1, 1], 0)
     assert formats.truncate(list(range(20)), [1] * 20, runs, 14) == (list(range(14)), [1] * 14, 2)
+
+
+# ---------------------------------------------------------------- runs
+
+def _index_on_rank(rank, world, path):
+    calls, encode = [], data.Encoder.encode
+    data.Encoder.encode = lambda self, *a, **k: (calls.append(1), encode(self, *a, **k))[1]
+    ds, _ = build(path)
+    return len(calls), ds.sources[0][2]["lengths"].tolist()
+
+
+def test_local_rank_0_indexes_while_the_others_wait(files):
+    path = write_jsonl(files / "m.jsonl", [{"messages": as_messages(*c)} for c in CHATS])
+    (calls0, lengths0), (calls1, lengths1) = run_distributed(_index_on_rank, 2, path)
+    assert calls0 == 3 and calls1 == 0 and lengths0 == lengths1 and len(lengths0) == 3
+
+
+def test_parquet_and_jsonl_blend_resumes_bit_exactly(files):
+    import train
+    rows = [{"messages": as_messages(q, a, ims, ref=lambda n: {"type": "image"}),
+             "images": [{"bytes": IMAGES[n], "path": None} for n in ims]} for q, a, ims in CHATS]
+    shard = write_parquet(files / "s.parquet", rows)
+    chat = write_jsonl(files / "l.jsonl", [as_llava(*c) for c in CHATS])
+    argv = ["--data", f"0.6:{shard},0.4:{chat}", "--pack", "--global-batch", "2", "--lr-decay-iters", "6",
+            "--log-every", "100"]
+    save = str(files / "ckpt")
+
+    def run(*extra):
+        history, modules = train.main(argv + list(extra))
+        return [h["loss"] for h in history], {f"{k}.{n}": t for k, m in modules.items()
+                                              for n, t in m.state_dict().items()}
+    straight = run("--steps", "4")
+    first = run("--steps", "2", "--save", save)
+    resumed = run("--steps", "4", "--load", save)
+    assert first[0] + resumed[0] == straight[0]
+    assert all(torch.equal(straight[1][k], resumed[1][k]) for k in straight[1])

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import formats
 import parallel
@@ -184,7 +183,7 @@ class HFTokenizer:
                 head, upto = apply(messages[:i], add_generation_prompt=True), apply(messages[:i + 1])
                 if not (upto.startswith(head) and text.startswith(upto)):
                     raise Bad("the chat template does not render this chat prefix by prefix, so assistant turns "
-                               "cannot be located; add {% generation %} markers to it")
+                              "cannot be located; add {% generation %} markers to it")
                 spans.append((len(head), len(upto)))
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         mask = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]

@@ -4,12 +4,12 @@ and the one-pass index of every file. data.py turns the records this module hand
 Files: `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or globs; the files of
 one entry share its blend weight in proportion to their document counts. A .json file holding a top-level array is
 read element by element; any other .json / .jsonl is one record per line; .parquet is read with pyarrow (optional:
-pip install -e '.[parquet]'), one row group at a time, so memory never depends on the dataset's size.
+pip install -e '.[parquet]'), streamed in record batches, so memory never depends on the dataset's size.
 Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}):
   LLaVA / ShareGPT   {"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
                      {"from": "gpt", "value": "..."}]}: each <image> (and the newline after it) is the next image
   messages + images  {"messages": [... {"type": "image"} ...], "images": [...]} (HF datasets): each image part
-                     without a reference takes the next entry of "images"
+                     without a reference, and each <image> in a text, takes the next entry of "images"
 Image entries may be paths (relative to the data file), bytes, or HF {"bytes": ..., "path": ...} structs.
 Parquet columns: --data-columns messages=NAME,images=NAME; by default the first of messages / conversations / text
 and of images / image that the file has.
@@ -75,7 +75,7 @@ def expand(entry):
 def parse_columns(spec):
     """"messages=conv,images=img" -> {"messages": "conv", "images": "img"} (None: the defaults)."""
     out = {}
-    for item in (spec or "").split(",") if spec else []:
+    for item in spec.split(",") if spec else []:
         role, _, name = item.partition("=")
         if role.strip() not in COLUMNS or not name.strip():
             raise SystemExit(f"bad --data-columns entry {item!r}: expected messages=NAME or images=NAME")
@@ -92,6 +92,7 @@ def _kind(path):
 
 
 def where(path, line, kind):
+    """How messages name a record: file:line, or file:row N (from 0) in parquet."""
     return f"{path}:row {line}" if kind == "parquet" else f"{path}:{line}"
 
 
@@ -186,10 +187,10 @@ def scan(path, kind, columns):
     """-> iterator of (key, line, record()): key finds the record again (read), line (parquet: row) names it in
     messages; record() returns it in data.py's form or raises Bad."""
     if kind == "parquet":
-        pf, _ = _parquet(path, os.getpid())
+        batches = _parquet(path, os.getpid())[0].iter_batches(256, columns=[c for c in columns if c])
         row = 0
-        for i in range(pf.num_row_groups):           # one row group in memory at a time
-            for r in pf.read_row_group(i, columns=[c for c in columns if c]).to_pylist():
+        for batch in batches:                        # streamed: memory never depends on the file's size
+            for r in batch.to_pylist():
                 yield row, row, functools.partial(_from_row, r, columns)
                 row += 1
         return
@@ -246,46 +247,42 @@ def _images(value):
 
 
 def to_record(obj):
-    """A decoded record -> data.py's form: LLaVA conversations become messages; image parts without a reference
-    take the next entry of "images"."""
+    """A decoded record -> data.py's form: LLaVA conversations become messages; with the images given beside the
+    messages, each <image> in a text (and the newline after it) and each image part without a reference takes the
+    next of them."""
     if not isinstance(obj, dict):
         return obj
     turns = obj.get("conversations", obj.get("messages"))
-    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
-        return _llava(turns, _images(obj.get("image", obj.get("images"))))
-    if "images" not in obj or not isinstance(turns, list):
+    llava = isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]
+    if not llava and ("images" not in obj or not isinstance(turns, list)):
         return obj
-    images, messages, k = _images(obj["images"]), [], 0
+    images, messages, k = _images(obj.get("image", obj.get("images"))), [], 0
     for m in turns:
-        if isinstance(m, dict) and isinstance(m.get("content"), list):
+        m = _llava_turn(m) if llava else m
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and "<image>" in content:
+            pieces = re.split(r"<image>\n?", content)
+            content = [{"type": "text", "text": pieces[0]}] * bool(pieces[0])
+            for text in pieces[1:]:
+                content += [{"type": "image"}] + [{"type": "text", "text": text}] * bool(text)
+        if isinstance(content, list):
             parts = []
-            for p in m["content"]:
+            for p in content:
                 if isinstance(p, dict) and p.get("type") == "image" and not p.get("image"):
                     p, k = {"type": "image", "image": images[k] if k < len(images) else None}, k + 1
                 parts.append(p)
             m = {**m, "content": parts}
         messages.append(m)
     if k != len(images):
-        raise Bad(f"{k} image parts for {len(images)} images")
+        raise Bad(f"{k} image places (<image> or image parts) for {len(images)} images")
     return {"messages": messages}
 
 
-def _llava(turns, images):
-    messages, k = [], 0
-    for t in turns:
-        role, value = (LLAVA_ROLES.get(t.get("from")), t.get("value")) if isinstance(t, dict) else (None, None)
-        if role is None or not isinstance(value, str):
-            raise Bad(f"bad conversation turn {str(t)[:80]} (expected from: human/gpt/system and a string value)")
-        pieces = re.split(r"<image>\n?", value)
-        content = [{"type": "text", "text": pieces[0]}] * bool(pieces[0])
-        for text in pieces[1:]:
-            content.append({"type": "image", "image": images[k] if k < len(images) else None})
-            content += [{"type": "text", "text": text}] * bool(text)
-            k += 1
-        messages.append({"role": role, "content": value if len(pieces) == 1 else content})
-    if k != len(images):
-        raise Bad(f"{k} <image> markers for {len(images)} images")
-    return {"messages": messages}
+def _llava_turn(t):
+    role, value = (LLAVA_ROLES.get(t.get("from")), t.get("value")) if isinstance(t, dict) else (None, None)
+    if role is None or not isinstance(value, str):
+        raise Bad(f"bad conversation turn {str(t)[:80]} (expected from: human/gpt/system and a string value)")
+    return {"role": role, "content": value}
 
 
 def image_source(ref, base_dir):

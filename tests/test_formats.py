@@ -71,6 +71,10 @@ def test_llava_jsonl_and_json_array_equal_messages(files):
     assert s.input_ids.tolist() == padded(head + b("Red and blue.") + [SP["<|im_end|>"]] + b("\n"), PAD)
     assert [t for t in s.labels.tolist() if t != -100] == b("Red and blue.") + [SP["<|im_end|>"]]
 
+    marked = [{"messages": [{**m, "content": m["content"][0]["text"]} if m["role"] != "user" else
+                            {**m, "content": "<image>\n" * len(ims) + q} for m in as_messages(q, a, ims)],
+               "images": ims} for q, a, ims in CHATS]                      # string contents with <image> marks
+    assert_same_samples(build(write_jsonl(files / "marked.jsonl", marked))[0], ref)
     llava = [as_llava(*c) for c in CHATS]
     assert_same_samples(build(write_jsonl(files / "l.jsonl", llava))[0], ref)
     (files / "l.json").write_text("[\n" + ",\n".join(json.dumps(r, indent=2) for r in llava) + "\n]\n")
@@ -136,7 +140,8 @@ def test_bad_parquet_rows_name_file_and_row(files, capsys):
         build(path)
     ds, _ = build(path, skip_bad_samples=True)
     out = capsys.readouterr().out
-    assert "1 documents, skipped 2 bad line(s)" in out and f"{path}:row 2: 0 image parts for 1 images" in out
+    assert "1 documents, skipped 2 bad line(s)" in out
+    assert f"{path}:row 2: 0 image places (<image> or image parts) for 1 images" in out
     assert ds.sources[0][2]["lines"].tolist() == [0]
 
 
@@ -144,7 +149,7 @@ def test_llava_image_count_mismatch(files, capsys):
     bad = as_llava(*CHATS[1])
     bad["conversations"][1]["value"] = "<image>\n<image>\nTwo?"
     path = write_jsonl(files / "l.jsonl", [as_llava(*CHATS[2]), bad])
-    with pytest.raises(data.BadSample, match=f"^{path}:2: 2 <image> markers for 1 images"):
+    with pytest.raises(data.BadSample, match=rf"^{path}:2: 2 image places \(<image> or image parts\) for 1 images"):
         build(path)
     build(path, skip_bad_samples=True)
     assert "skipped 1 bad line(s)" in capsys.readouterr().out

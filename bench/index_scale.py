@@ -4,6 +4,7 @@ local rank 0 indexes, the others wait for its cache; --all-index: every process 
 
     python bench/index_scale.py gen /tmp/idx 1000000        # writes /tmp/idx/{llava.jsonl,hf.parquet,img/}
     python bench/index_scale.py run /tmp/idx/llava.jsonl 8  # prints one line per rank: seconds, peak RSS
+    python bench/index_scale.py read /tmp/idx/hf.parquet    # then: milliseconds per random sample
 """
 import json
 import os
@@ -63,6 +64,26 @@ def one(path):
           f"({cpu:.1f} s CPU), peak RSS {rss / 1024:.0f} MiB ({rss0 / 1024:.0f} MiB after imports)", flush=True)
 
 
+def read(path, n=300):
+    """Random access after indexing: seconds per sample (pixels decoded) at random indices."""
+    import types
+
+    import numpy as np
+
+    import config
+    import data
+    cfg = config.resolve("small")
+    args = types.SimpleNamespace(data=path, seed=1, tokenizer=None, train_on="assistant", skip_bad_samples=False,
+                                 eval_data=None, eval_frac=0.0, pack=False, eval_every=0, overlong="error",
+                                 data_columns=None)
+    ds, _ = data.build(args, cfg, verbose=False)
+    picks = np.random.default_rng(0).integers(0, len(ds.sources[0][2]["offsets"]), n)   # within epoch 0
+    t = time.perf_counter()
+    for i in picks:
+        ds.sample(int(i))
+    print(f"{path}: {1e3 * (time.perf_counter() - t) / n:.2f} ms per random sample (images decoded)")
+
+
 def run(path, ranks, all_index=False):
     for f in os.listdir(os.path.dirname(path)):   # a cold start: no cached index
         if f.endswith(".idx.npz"):
@@ -80,5 +101,7 @@ if __name__ == "__main__":
         gen(sys.argv[2], int(sys.argv[3]))
     elif cmd == "one":
         one(sys.argv[2])
+    elif cmd == "read":
+        read(sys.argv[2])
     else:
         run(sys.argv[2], int(sys.argv[3]), "--all-index" in sys.argv)

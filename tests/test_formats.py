@@ -111,7 +111,12 @@ def test_parquet_with_embedded_images_equals_jsonl_with_files(files):
              "images": [{"bytes": IMAGES[n], "path": None} for n in ims]} for q, a, ims in CHATS]
     sub = files / "shards"
     sub.mkdir()
-    assert_same_samples(build(write_parquet(sub / "hf.parquet", rows))[0], ref)
+    ds, _ = build(write_parquet(sub / "hf.parquet", rows))
+    assert_same_samples(ds, ref)
+    ds[0]                                            # the parent has the shard open when the worker forks
+    got = data.Loader(ds, [0, 1, 2], 3, num_workers=1).step(0, 1)      # a DataLoader worker reads it again
+    assert_same_samples([got[i] for i in range(3)], ref)
+    assert all(torch.equal(ds.sample(i, pixels=False).input_ids, ref[i].input_ids) for i in range(3))
     # LLaVA in parquet: custom column names, images as bytes or as paths (relative to the shard), 1-row groups
     llava = [{"conv": as_llava(*c)["conversations"], "img": [{"bytes": IMAGES[n], "path": "x"} for n in c[2]]
               if len(c[2]) == 1 else [{"bytes": None, "path": f"../{n}"} for n in c[2]]} for c in CHATS]

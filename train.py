@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", default="mock", help="mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend '0.7:a.jsonl,0.3:b/*.parquet'")
+    p.add_argument("--data", default="mock", help="mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted "
+                   "blend '0.7:a.jsonl,0.3:b/*.parquet'")
     p.add_argument("--eval-data", default=None, help="held-out JSONL (or blend) for --eval-every")
     p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (its chat template renders chats) or "

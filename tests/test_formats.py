@@ -177,7 +177,8 @@ def overlong_file(tmp_path):
     return write_jsonl(tmp_path / "o.jsonl", [
         {"text": "short"}, {"text": "x" * 150},
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
-            {"type": "text", "text": "a" * 73}, {"type": "image", "image": "red.png"}, {"type": "text", "text": "b"}]}]},
+            {"type": "text", "text": "a" * 73}, {"type": "image", "image": "red.png"},
+            {"type": "text", "text": "b"}]}]},
         {"messages": [{"role": "system", "content": "s" * 120}, {"role": "assistant", "content": "ok"}]}])
 
 

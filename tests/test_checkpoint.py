@@ -1,6 +1,7 @@
 """Checkpoints on CPU gloo ranks: bit-exact resume (sync; async + SIGTERM), crash safety, resharding (tp2 ep2 on 4
 ranks -> 1 process), errors that name file and tensor, export of a trained sharded checkpoint, --eval-only."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -235,4 +236,6 @@ def test_eval_only_prints_json_last(sharded):
     out = subprocess.run([sys.executable, "train.py", "--eval-only", "--load", save], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    assert set(result) == {"eval_loss", "eval_tokens"} and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20
+    assert set(result) == {"eval_loss", "eval_ppl", "eval_tokens", "eval_samples"}, result
+    assert result["eval_samples"] == train.MOCK_EVAL_SAMPLES and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20
+    assert abs(result["eval_ppl"] - math.exp(result["eval_loss"])) <= 1e-9 * result["eval_ppl"]

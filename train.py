@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ import parallel
 from bridge import Bridge
 from radio import VisionModel
 
+ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see cli)
 MOCK_EVAL_SAMPLES = 32  # mock data has no end: an evaluation scores this many of its samples unless told
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
 
@@ -131,7 +133,8 @@ def parse_overrides(rest, error, flags=()):
     for key in overrides:
         if key not in config.Config.__dataclass_fields__:
             close = difflib.get_close_matches(key.replace("_", "-"), fields + [f[2:] for f in flags if f[:2] == "--"], 1)
-            error(f"unknown flag --{key.replace('_', '-')}" + (f". Did you mean --{close[0]}?" if close else ""))
+            raise SystemExit(f"unknown flag --{key.replace('_', '-')}. " +
+                             (f"Did you mean --{close[0]}?" if close else "See --help"))
     return overrides
 
 
@@ -542,15 +545,19 @@ def dry_run(cfg, lay, args):
 
 def cli(argv=None):
     """The command line: main(), a user error (SystemExit with a message, a bad data line) printed as one line
-    `error: <cause>. <fix>` by rank 0 only, exit status 2; --debug shows its traceback."""
+    `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
+    its traceback."""
     try:
         main(argv)
     except (SystemExit, data.BadSample) as e:
         msg = e.code if isinstance(e, SystemExit) else f"{e}. Fix the line or pass --skip-bad-samples"
-        if not isinstance(msg, str) or "--debug" in (sys.argv[1:] if argv is None else argv):
+        if not isinstance(msg, str):              # --help, a plain exit status
             raise
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            traceback.print_exc()
+        if int(os.environ.get("RANK", 0)) != 0:  # rank 0 most likely failed too: its exit makes torchrun end
+            time.sleep(ERROR_GRACE_S)             # this process meanwhile; if not, the error was this rank's only
+        print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -80,9 +80,9 @@ class Log:
         if self.on:
             tqdm.write(msg) if not self.bar.disable else print(msg, flush=True)
 
-    def start(self, cfg, lay, run_dir, data_lines, counts):
-        """The resolved config (indented, in the run directory when there is one), the layout, the data and the
-        trainable / frozen parameters."""
+    def start(self, cfg, run_dir, data_lines, counts):
+        """The resolved config (indented, in the run directory when there is one), the data and the trainable /
+        frozen parameters."""
         if not self.on:
             return
         if run_dir:
@@ -92,7 +92,6 @@ class Log:
             self.say(f"config: {os.path.join(run_dir, 'run_config.json')}")
         else:
             self.say(f"config: {json.dumps(vars(cfg))}")
-        self.say(lay.describe())
         for line in data_lines:
             self.say(line)
         self.say("parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()))

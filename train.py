@@ -501,7 +501,7 @@ def train(run):
         summaries = [logs.data_summary("train", run.train_data)]
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
-        log.start(cfg, run.lay, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers))
+        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers))
     saver = checkpoint.Saver(args.save, run.par, cfg, run.modules, run.opt, args, run.train_loader) \
         if args.save else None
     stop = {"signal": None}

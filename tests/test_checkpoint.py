@@ -66,7 +66,7 @@ def test_resume_is_bit_exact(tmp_path, straight, mode):
     else:   # a signal during step 3 of a 6-step run: the loop stops after it and saves (in a thread)
         first = run_distributed(_train, 4, TINY + ["--steps", "6", "--save", save, "--save-every", "2",
                                                    "--async-save"], 3)
-    assert sorted(os.listdir(save)) == ["latest", "step_00000002", "step_00000003"]
+    assert sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000002", "step_00000003"]
     assert open(os.path.join(save, "latest")).read().strip() == "step_00000003"
     step_dir = os.path.join(save, "step_00000003")
     meta = json.load(open(os.path.join(step_dir, "meta.json")))

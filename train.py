@@ -132,7 +132,8 @@ def parse_overrides(rest, error, flags=()):
     fields = [f.name.replace("_", "-") for f in dataclasses.fields(config.Config)]
     for key in overrides:
         if key not in config.Config.__dataclass_fields__:
-            close = difflib.get_close_matches(key.replace("_", "-"), fields + [f[2:] for f in flags if f[:2] == "--"], 1)
+            names = fields + [f[2:] for f in flags if f.startswith("--")]
+            close = difflib.get_close_matches(key.replace("_", "-"), names, 1)
             raise SystemExit(f"unknown flag --{key.replace('_', '-')}. " +
                              (f"Did you mean --{close[0]}?" if close else "See --help"))
     return overrides
@@ -550,7 +551,9 @@ def cli(argv=None):
     try:
         main(argv)
     except (SystemExit, data.BadSample) as e:
-        msg = e.code if isinstance(e, SystemExit) else f"{e}. Fix the line or pass --skip-bad-samples"
+        # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
+        bad_line = str(e).strip().splitlines()[-1].removeprefix("data.BadSample: ")
+        msg = e.code if isinstance(e, SystemExit) else f"{bad_line}. Fix the line or pass --skip-bad-samples"
         if not isinstance(msg, str):              # --help, a plain exit status
             raise
         if "--debug" in (sys.argv[1:] if argv is None else argv):

@@ -86,8 +86,9 @@ def test_eval_every_with_mock_data_scores_the_eval_file(tmp_path, capfd):
     argv = ["--preset", "tiny", "--steps", "2", "--global-batch", "4", "--eval-every", "1",
             "--eval-data", text_docs(tmp_path / "eval.jsonl", [7, 9, 11])]
     run_distributed(lambda rank, world: train.main(argv)[0], 1, timeout=60.0)
-    evals = re.findall(r"eval step (\d): loss ([0-9.]+) \| ppl [0-9.]+ \| (\d+) tokens of (\d) samples", capfd.readouterr().out)
-    assert [(s, t, n) for s, _, t, n in evals] == [("1", "30", "3"), ("2", "30", "3")]     # 7+9+11 bytes + 3 EOS
+    out = capfd.readouterr().out
+    evals = re.findall(r"eval step (\d): loss [0-9.]+ \| ppl [0-9.]+ \| (\d+) tokens of (\d) samples", out)
+    assert evals == [("1", "30", "3"), ("2", "30", "3")]                                  # 7+9+11 bytes + 3 EOS
 
 
 # ---------------------------------------------------------------- 2. the mock task learns, through the image

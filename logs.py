@@ -4,6 +4,7 @@ never break the progress bar a person watching a terminal sees. Metric keys name
 """
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -129,7 +130,7 @@ class Log:
             self.metrics.write(json.dumps({"step": step, **result}) + "\n")
             self.metrics.flush()
 
-    def close(self, step, save_dir):
+    def close(self, step, save_dir, argv):
         """The closing summary: steps, time, last losses, the checkpoint and the lines to resume and export."""
         self.bar.close()
         if self.metrics:
@@ -140,5 +141,17 @@ class Log:
         self.say(f"done: {step - self.first} steps (to step {step}) in {fmt_time(self.elapsed())} | last loss "
                  f"{fmt('loss')} | last eval loss {fmt('eval_loss')}")
         if save_dir:
-            self.say(f"checkpoint: {save_dir} | resume: the same command with --load {save_dir} (and more "
-                     f"--steps) | export: python hf_interop.py export-hf --load {save_dir} --out HF_DIR")
+            self.say(f"checkpoint: {save_dir}\nresume (with a larger --steps to train on): "
+                     f"{resume_command(argv, save_dir)}\nexport: python hf_interop.py export-hf --load {save_dir} "
+                     "--out HF_DIR")
+
+
+def resume_command(argv, save_dir):
+    """This run's command line with --load save_dir in place of any --load."""
+    keep = [a for i, a in enumerate(argv) if not (a == "--load" or a.startswith("--load=") or
+                                                  (i > 0 and argv[i - 1] == "--load"))]
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    nodes = int(os.environ.get("WORLD_SIZE", 1)) // nproc
+    launcher = "python" if nproc == 1 and nodes == 1 else \
+        f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
+    return f"{launcher} train.py {shlex.join(keep + ['--load', save_dir])}"

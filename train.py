@@ -247,6 +247,7 @@ class Run:
     flops: int = 0                       # model FLOPs this rank counted in the current step (MFU)
     real_tokens: int = 0                 # non-padding tokens of this language lane in the current step
     expert_counts: torch.Tensor = None   # per MoE layer and expert, the current step's routed tokens
+    argv: list = None                    # the command line's flags (the closing summary's resume line)
 
     @property
     def modules(self):
@@ -265,6 +266,7 @@ def main(argv=None):
     if args.dry_run:
         return dry_run(cfg, lay, args)
     run = setup(args, cfg, lay, hf_source)
+    run.argv = list(sys.argv[1:] if argv is None else argv)
     if args.eval_only:  # the last line printed is the JSON result
         result = evaluate(run)
         if run.log_rank:
@@ -528,7 +530,7 @@ def train(run):
             break
     if saver is not None:
         saver.close()  # waits for an async save in flight
-    log.close(run.counters["step"], args.save)
+    log.close(run.counters["step"], args.save, run.argv)
     return history
 
 

@@ -174,8 +174,9 @@ def test_log_lines(tmp_path):
     """JSONL documents of 30 bytes (32 tokens with BOS / EOS, 64 of padding): tok/s counts the 32."""
     docs = text_docs(tmp_path / "docs.jsonl", [30] * 8)
     save, metrics = str(tmp_path / "run"), str(tmp_path / "metrics.jsonl")
-    out = sh(sys.executable, "train.py", "--preset", "tiny", "--steps", "3", "--global-batch", "2", "--data", docs,
-             "--eval-frac", "0.25", "--eval-every", "2", "--save", save, "--metrics-file", metrics)
+    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", "2", "--data", docs, "--eval-frac", "0.25",
+            "--eval-every", "2", "--save", save, "--metrics-file", metrics]
+    out = sh(sys.executable, "train.py", *argv)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert f"config: {save}/run_config.json" in lines
@@ -190,8 +191,10 @@ def test_log_lines(tmp_path):
                r"MFU N/A \| peak mem [0-9.]+ GiB \| \d+ ms \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d")
     assert [re.fullmatch(pattern, line).group(1) for line in steps] == ["1", "2", "3"], steps
     assert any(re.fullmatch(r"eval step 2: loss [0-9.]+ \| ppl [0-9.]+ \| 62 tokens of 2 samples", x) for x in lines)
-    assert lines[-2].startswith("done: 3 steps (to step 3) in 0:00:") and "last eval loss" in lines[-2]
-    assert lines[-1].startswith(f"checkpoint: {save} | resume: the same command with --load {save}")
+    assert lines[-4].startswith("done: 3 steps (to step 3) in 0:00:") and "last eval loss" in lines[-4]
+    assert lines[-3:] == [f"checkpoint: {save}", "resume (with a larger --steps to train on): python train.py "
+                          f"{' '.join(argv)} --load {save}", f"export: python hf_interop.py export-hf --load {save} "
+                          "--out HF_DIR"]
     recs = [json.loads(x) for x in open(metrics)]
     step_recs = [r for r in recs if "tokens" in r]
     assert [r["tokens"] for r in step_recs] == [64, 64, 64]                                 # not 2 x 96

@@ -336,6 +336,8 @@ def setup(args, cfg, lay, hf_source):
     workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
     run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers)
     if eval_data is not None:
+        if args.eval_samples is not None and args.eval_samples < 1:
+            raise SystemExit(f"--eval-samples {args.eval_samples}: an evaluation needs at least one sample")
         n = args.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
         run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)

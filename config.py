@@ -54,6 +54,7 @@ class Config:
     mock_image_size: int = 2048              # mock samples carry one square image of this many pixels
     mock_text_only_frac: float = 0.0
     mock_num_samples: int = 0                # > 0: the mock set has this many samples and repeats (tests)
+    mock_text: str = "task"                  # task: learnable, answers only the image predicts; random (mock.py)
     # ---- reference layout (hetero when vision sizes > 0) ----
     vision_tp: int = 2
     vision_dp: int = 2
@@ -89,7 +90,8 @@ PRESETS = {
         ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, intermediate_size=64,
         vision="tiny", class_token_len=2, min_num_patches=16, max_num_patches=256, image_token_id=511,
-        seq_len=96, mock_image_size=64, vision_tp=1, vision_dp=2, lm_tp=1, lm_dp=2, lm_ep=1, reference_world=4),
+        seq_len=96, mock_image_size=64, mock_text_only_frac=0.25,
+        vision_tp=1, vision_dp=2, lm_tp=1, lm_dp=2, lm_ep=1, reference_world=4),
     "small": dict(
         vocab_size=4096, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
         mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32, chunk_size=32,

@@ -47,42 +47,6 @@ class Sample:
     n_pad: int = 0                    # padding tokens at the end of the row (not routed or counted by MoE layers)
 
 
-# ---------------------------------------------------------------- mock data
-
-class MockData:
-    """Megatron-20L-style mock: one square image of cfg.mock_image_size px followed by random text tokens
-    (never the image token or the pad id 0); a seeded fraction of samples is text only."""
-
-    def __init__(self, cfg, seed):
-        self.cfg, self.seed = cfg, seed
-        self.fingerprint = f"mock-{seed}"
-        side = cfg.mock_image_size // cfg.vit_patch
-        if cfg.mock_image_size % (2 * cfg.vit_patch):
-            raise ValueError(f"mock_image_size {cfg.mock_image_size} must be a multiple of 2*patch = {2 * cfg.vit_patch}")
-        self.image_tokens = side * side // 4
-        if self.image_tokens >= cfg.seq_len:
-            raise ValueError(f"mock image of {self.image_tokens} tokens does not fit seq_len {cfg.seq_len}")
-
-    def __getitem__(self, index):
-        return self.sample(index)
-
-    def sample(self, index, pixels=True):
-        """Sample `index`; pixels=False (language-only ranks) skips drawing the image, drawn last for that reason."""
-        cfg = self.cfg
-        if cfg.mock_num_samples:
-            index %= cfg.mock_num_samples
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        text_only = torch.rand((), generator=g).item() < cfg.mock_text_only_frac
-        n_img = 0 if text_only else self.image_tokens
-        text = torch.randint(1, cfg.vocab_size - 1, (cfg.seq_len + 1 - n_img,), generator=g)
-        text = text + (text >= cfg.image_token_id).long()        # skip the image token id
-        tokens = torch.cat([torch.full((n_img,), cfg.image_token_id), text])
-        input_ids, labels = tokens[:-1], tokens[1:].clone()
-        labels[input_ids == cfg.image_token_id] = -100
-        images = None
-        if pixels:
-            images = [] if text_only else [torch.randn(3, cfg.mock_image_size, cfg.mock_image_size, generator=g)]
-        return Sample(input_ids, labels, images)
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -427,6 +391,18 @@ class RealData:
     def __getitem__(self, i):
         return self.sample(i)
 
+    def __len__(self):
+        """One pass over the data: every document once (unpacked), the rows that pack them all (packed); exact
+        for one source, the sum of the sources' counts for a blend."""
+        total = 0
+        for s, (_, _, idx) in enumerate(self.sources):
+            n, rows = len(idx["offsets"]), 0
+            while self.pack and (rows == 0 or self.row_starts[s][rows] < n):
+                self.row(s, rows)                       # extends row_starts to rows + 1
+                rows += 1
+            total += rows if self.pack else n
+        return total
+
     def doc(self, s, position):
         """Document (row in source s's index) at `position` of s's stream: epoch-wise seeded permutations."""
         n = len(self.sources[s][2]["offsets"])
@@ -468,11 +444,10 @@ class RealData:
         return make_row([self.load(s, d, pixels) for d in docs], self.cfg, self.enc.sp["<pad>"], self.pack)
 
 
-def build(args, cfg, verbose=True):
+def build(args, cfg, verbose=True, train=None):
     """(train data, eval data or None) from the command line (--data, --eval-data, --eval-frac, --tokenizer,
-    --train-on, --pack, --skip-bad-samples, --overlong, --data-columns)."""
-    if args.data == "mock":
-        return MockData(cfg, args.seed), MockData(cfg, args.seed + 1)
+    --train-on, --pack, --skip-bad-samples, --overlong, --data-columns). `train`: training data not read from files
+    (mock.py), beside --eval-data."""
     enc = Encoder(load_tokenizer(args.tokenizer, cfg), cfg, args.train_on, args.overlong)
     columns = formats.parse_columns(args.data_columns)
 
@@ -485,6 +460,8 @@ def build(args, cfg, verbose=True):
             out += [(w * len(i["offsets"]) / total, p, i) for p, i in zip(files, idx)]
         return out
 
+    if train is not None:
+        return train, RealData(sources(args.eval_data), enc, args.seed, args.pack, "eval")
     train = sources(args.data)
     if args.eval_data:
         return RealData(train, enc, args.seed, args.pack), RealData(sources(args.eval_data), enc, args.seed,
@@ -505,6 +482,27 @@ def build(args, cfg, verbose=True):
         head.append((w, p, {**idx, **{k: idx[k][:cut] for k in keys}}))
         tail.append((w, p, {**idx, **{k: idx[k][cut:] for k in keys}}))
     return RealData(head, enc, args.seed, args.pack), RealData(tail, enc, args.seed, args.pack, "eval")
+
+
+class EvalSet:
+    """The first n samples of a data set, then copies of sample 0 without loss tokens up to whole global
+    micro-batches (spm samples): what every evaluation scores, whatever the layout."""
+
+    def __init__(self, ds, n, spm):
+        self.ds, self.n, self.size = ds, n, -(-n // spm) * spm
+        self.fingerprint = f"{ds.fingerprint}-first{n}"
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+    def sample(self, i, pixels=True):
+        if i < self.n:
+            return self.ds.sample(i, pixels)
+        s = self.ds.sample(0, pixels)
+        return Sample(s.input_ids, torch.full_like(s.labels, -100), s.images, s.seq_idx, s.n_pad)
 
 
 # ---------------------------------------------------------------- loading ahead, per rank

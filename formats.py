@@ -68,7 +68,9 @@ def expand(entry):
     else:
         files = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry] * os.path.exists(entry)
     if not files:
-        raise SystemExit(f"--data {entry}: no such file, or no {'/'.join(SUFFIXES)} files there")
+        what = f"directory {entry} holds no {'/'.join(SUFFIXES)} files" if os.path.isdir(entry) else \
+            f"data file {entry} does not exist"
+        raise SystemExit(f"{what}. Check the path (relative to {os.getcwd()})")
     return files
 
 

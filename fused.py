@@ -13,12 +13,18 @@ import torch.nn.functional as F
 
 
 def compiled_on_cuda(fn):
-    """fn itself on CPU tensors; its torch.compile'd version (compiled at the first CUDA call) on CUDA tensors."""
-    compiled = torch.compile(fn)
+    """fn itself on CPU tensors; its torch.compile'd version on CUDA tensors. torch.compile (and the import of
+    torch._dynamo it brings, seconds per process) happens at the first CUDA call, so importing costs nothing."""
+    compiled = None
 
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
-        return compiled(x, *args, **kwargs) if x.is_cuda else fn(x, *args, **kwargs)
+        nonlocal compiled
+        if not x.is_cuda:
+            return fn(x, *args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(x, *args, **kwargs)
     return call
 
 

@@ -12,31 +12,41 @@ One step (parallel.md §6-7), every rank running the lines of the module(s) it h
 Seeds: --seed drives everything. Samples: seed + sample index (layout-independent). Vision init: seed + 10000 on
 the global RNG; language init: seed + 20000 hashed with each parameter name (layout-independent, see model.py);
 runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by the tp ranks of a lane.
+
+Code: main() = setup() (a Run record of what the parts share) -> train(): train_step() per step, evaluate() every
+--eval-every steps, logs.py for what the user sees. User errors raise SystemExit(message); the command line (cli)
+prints them as one line.
 """
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import checkpoint
 import config
 import data
 import hf_interop
+import logs
+import mock
 import model
 import moe
 import parallel
 from bridge import Bridge
 from radio import VisionModel
 
+ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see cli)
+MOCK_EVAL_SAMPLES = 32  # mock data has no end: an evaluation scores this many of its samples unless told
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
 
 
@@ -63,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default="mock", help="mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted "
                    "blend '0.7:a.jsonl,0.3:b/*.parquet'")
-    p.add_argument("--eval-data", default=None, help="held-out JSONL (or blend) for --eval-every")
+    p.add_argument("--eval-data", default=None, help="held-out data (file or blend) for --eval-every, with any --data")
     p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
     p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (its chat template renders chats) or "
                    "tokenizer.json; default: offline byte-level tokenizer")
@@ -88,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--moe-stats-every", type=int, default=10)
     p.add_argument("--tensorboard", default=None)
     p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--eval-iters", type=int, default=2, help="global micro-batches per evaluation")
+    p.add_argument("--eval-samples", type=int, default=None, help="an evaluation scores the first N eval samples; "
+                   f"default: the whole eval data ({MOCK_EVAL_SAMPLES} of mock data)")
     p.add_argument("--dry-run", action="store_true", help="build on the meta device, print sizes and memory, exit")
     p.add_argument("--save", default=None, help="save directory: DIR/step_N/ + DIR/latest (see checkpoint.py)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
@@ -100,12 +111,19 @@ def parse_args(argv=None):
     p.add_argument("--no-load-optim", action="store_true")
     p.add_argument("--no-load-rng", action="store_true")
     p.add_argument("--eval-only", action="store_true", help="evaluate (the --load checkpoint), print JSON, exit")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a user error")
+    p.error = lambda message: exit_usage(message)   # one line, one rank, like every user error (see cli)
     args, rest = p.parse_known_args(argv)
-    return args, parse_overrides(rest, p.error)
+    return args, parse_overrides(rest, p.error, p._option_string_actions)
 
 
-def parse_overrides(rest, error):
-    """--field value | --field=value (what argparse left over) -> {field: value string} config overrides."""
+def exit_usage(message):
+    raise SystemExit(f"{message}. See --help")
+
+
+def parse_overrides(rest, error, flags=()):
+    """--field value | --field=value (what argparse left over) -> {field: value string} config overrides. A key
+    that is no config field is a typo: the error names the closest flag or field."""
     overrides, i = {}, 0
     while i < len(rest):
         if not rest[i].startswith("--"):
@@ -117,6 +135,13 @@ def parse_overrides(rest, error):
             value, i = rest[i + 1], i + 1
         overrides[key.replace("-", "_")] = value
         i += 1
+    fields = [f.name.replace("_", "-") for f in dataclasses.fields(config.Config)]
+    for key in overrides:
+        if key not in config.Config.__dataclass_fields__:
+            names = fields + [f[2:] for f in flags if f.startswith("--")]
+            close = difflib.get_close_matches(key.replace("_", "-"), names, 1)
+            raise SystemExit(f"unknown flag --{key.replace('_', '-')}. " +
+                             (f"Did you mean --{close[0]}?" if close else "See --help"))
     return overrides
 
 
@@ -160,7 +185,7 @@ def memory_estimate(cfg, lay, stage):
         return total
     v = per_rank(vision, lay.vision_tp, 1)
     lang = per_rank(lm, lay.lm_tp, lay.lm_ep * lay.lm_etp)
-    return {"vision_rank_bytes": v + (lang if lay.colocated else 0), "lm_rank_bytes": lang + (v if lay.colocated else 0)}
+    return {"vision_rank": v + (lang if lay.colocated else 0), "lm_rank": lang + (v if lay.colocated else 0)}
 
 
 def check_fits(cfg, lay, stage, device):
@@ -179,8 +204,8 @@ def check_fits(cfg, lay, stage, device):
 
 
 def hf_model(args, overrides, say):
-    """--load HF_DIR: (the directory as a checkpoint source, the Config from its config.json plus --preset for the
-    fields HF does not carry). The model's shape is the directory's: shape overrides are refused. Its tokenizer is
+    """--load HF_DIR: (the Config from its config.json plus --preset for the fields HF does not carry, the directory
+    as a checkpoint source). The model's shape is the directory's: shape overrides are refused. Its tokenizer is
     the default --tokenizer when it holds one."""
     shape = sorted(k for k in overrides if k in checkpoint.MODEL_FIELDS and k != "image_token_id")
     if shape:
@@ -193,7 +218,7 @@ def hf_model(args, overrides, say):
         args.tokenizer = args.load
     say(f"--load {args.load}: HF {'VLM' if source.omni else 'language model'}, fields HF does not carry from "
         f"--preset {args.preset}, tokenizer {args.tokenizer or 'byte-level (the default)'}")
-    return source, config.from_values(dataclasses.asdict(source.cfg), overrides)
+    return config.from_values(dataclasses.asdict(source.cfg), overrides), source
 
 
 def optimizer_for(modules, args, device):
@@ -206,281 +231,322 @@ def optimizer_for(modules, args, device):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
+@dataclasses.dataclass
+class Run:
+    """What the parts of one run share: setup() fills it, train_step() / evaluate() / train() read it."""
+    args: argparse.Namespace
+    cfg: config.Config
+    lay: parallel.Layout
+    par: object                          # parallel.setup(): this rank's groups and coordinates
+    device: torch.device
+    log_rank: bool                       # language tp 0 / dp 0 prints (it knows the loss)
+    own_group: bool                      # we created the process group (tests call main() inside one)
+    vision: VisionModel = None
+    lm: model.LanguageModel = None
+    opt: torch.optim.Optimizer = None
+    train_data: object = None
+    train_loader: data.Loader = None
+    eval_set: data.EvalSet = None        # the fixed samples every evaluation scores
+    eval_loader: data.Loader = None
+    bridge: Bridge = None
+    counters: dict = None                # step, good_steps, consumed_samples, skipped (checkpoint.FRESH)
+    flops: int = 0                       # model FLOPs this rank counted in the current step (MFU)
+    real_tokens: int = 0                 # non-padding tokens of this language lane in the current step
+    expert_counts: torch.Tensor = None   # per MoE layer and expert, the current step's routed tokens
+    argv: list = None                    # the command line's flags (the closing summary's resume line)
+
+    @property
+    def modules(self):
+        return {k: m for k, m in (("vision", self.vision), ("language", self.lm)) if m is not None}
+
+
 def main(argv=None):
+    """Train (or with --eval-only evaluate) -> (one dict per step, or [the eval result]; {"vision"/"language": module
+    this rank holds})."""
     args, overrides = parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    hf_source = None
-    if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
-        hf_source, cfg = hf_model(args, overrides, say=print if rank == 0 else lambda msg: None)
-    elif args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
-        cfg = checkpoint.saved_config(args.load, overrides)
-    else:
-        cfg = config.resolve(args.preset, overrides)
+    cfg, hf_source = resolve_config(args, overrides)
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
-    lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
+    lay = parallel.plan_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)), args.micro_batch, args.global_batch,
+                               **grid_flags)
     if args.dry_run:
         return dry_run(cfg, lay, args)
+    run = setup(args, cfg, lay, hf_source)
+    run.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.eval_only:  # the last line printed is the JSON result
+        result = evaluate(run)
+        if run.log_rank:
+            print(json.dumps(result), flush=True)
+        history = [result]
+    else:
+        history = train(run)
+    if run.own_group:
+        dist.destroy_process_group()
+    return history, run.modules
+
+
+def resolve_config(args, overrides):
+    """(Config, HF checkpoint source or None): from --load HF_DIR, the --eval-only checkpoint, or --preset."""
+    if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
+        say = print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None
+        return hf_model(args, overrides, say)
+    if args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
+        return checkpoint_call(checkpoint.saved_config, args.load, overrides), None
+    return config.resolve(args.preset, overrides), None
+
+
+def checkpoint_call(fn, *args, **kwargs):
+    """fn of checkpoint.py, its errors (a missing or mismatched checkpoint) as user errors."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"{e}. Check --load (a save directory or DIR/step_N of a run of this model)") from None
+
+
+def setup(args, cfg, lay, hf_source):
+    """Devices, process groups, models, optimizer, data and the --load checkpoint -> Run."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
         torch.device("cpu")
     check_fits(cfg, lay, args.stage, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    own_group = not dist.is_initialized()  # tests call main() inside an existing gloo group
+    own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=world, rank=rank,
                                 **({} if "MASTER_ADDR" in os.environ else  # plain `python train.py`
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
-    log_rank = par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0
-    if log_rank:
-        print("config:", json.dumps(vars(cfg)), flush=True)
-
-    vision = lm = None
+    run = Run(args, cfg, lay, par, device, par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0,
+              own_group)
     if par.in_vision:
         torch.manual_seed(args.seed + 10000)
-        vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
+        run.vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
         torch.manual_seed(args.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
-        groups = {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp}
         with torch.device(device):
-            lm = model.LanguageModel(cfg, groups, args.moe_dispatcher)
+            run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp},
+                                         args.moe_dispatcher)
         coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
-        model.init_weights(lm, args.seed + 20000, coords, cfg)
-        lm.checkpoint_layers = args.activation_checkpointing
-    modules = {k: m for k, m in (("vision", vision), ("language", lm)) if m is not None}
-    model.set_trainable(modules, args.stage, args.train_layers)
-    vparams = list(vision.parameters()) if vision is not None else []
-    lparams = list(lm.parameters()) if lm is not None else []
-    opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
-    train_data, eval_data = data.build(args, cfg, verbose=log_rank)
+        model.init_weights(run.lm, args.seed + 20000, coords, cfg)
+        run.lm.checkpoint_layers = args.activation_checkpointing
+    model.set_trainable(run.modules, args.stage, args.train_layers)
+    if any(p.requires_grad for m in run.modules.values() for p in m.parameters()):
+        run.opt = optimizer_for(run.modules.values(), args, device)
+
+    run.train_data, eval_data = datasets(args, cfg, run.log_rank)
+    if args.eval_only and eval_data is None:
+        eval_data = run.train_data
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
     workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
-    train_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels, workers)
-    eval_loader = data.Loader(eval_data, own, lay.samples_per_microbatch, pixels) if eval_data is not None else None
-    bridge = Bridge(par, device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    # Model FLOPs of the step's training micro-batches, counted by each module's tp rank 0 of every lane from the
-    # images and tokens it actually processed (summed over ranks when logged: MFU).
-    tower_trains = vision is not None and any(p.requires_grad for n, p in vision.named_parameters() if "mlp1" not in n)
-    lm_flops_per_token = model.lm_flops_per_token(cfg, cfg.seq_len)
-    counted = {"flops": 0}
-
-    def microbatch(ds, first, train):
-        """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
-        Returns the sum of token losses on language ranks, zero elsewhere."""
-        loss_sum = torch.zeros((), device=device)
-        if vision is not None:
-            own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
-            patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
-            with autocast:
-                out = vision(model.host_to_device(patches, device), grids)
-            if train and par.vision.tp_rank == 0:
-                counted["flops"] += model.vision_flops(cfg, grids, tower_trains)
-            bridge.send(out, rows)
-            if train and bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
-                bridge.backward_encoder()
-        if lm is not None:
-            x, rows = bridge.recv()
-            ids, labels, seq_idx, valid = data.collate_text([ds[first + i] for i in parallel.lane_samples(lay, "lm",
-                                                                                                par.lm.dp_rank)])
-            ids_dev, labels, seq_idx, valid = (None if t is None else model.host_to_device(t, device)
-                                               for t in (ids, labels, seq_idx, valid))
-            with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
-                h = model.place_images(lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
-                s, _ = lm.loss_sum(lm(h, seq_idx, valid), labels)
-            if train:
-                s.backward()
-                bridge.send_grad()
-                if par.lm.tp_rank == 0:
-                    counted["flops"] += ids.numel() * lm_flops_per_token
-            loss_sum = s.detach().float()
-        if not train:
-            bridge.release()
-        return loss_sum
-
-    def lane_tokens(ds, first_sample, n_micro):
-        if lm is None:
-            return 0
-        own = parallel.lane_samples(lay, "lm", par.lm.dp_rank)
-        return sum(int((ds[first_sample + m * lay.samples_per_microbatch + i].labels != -100).sum())
-                   for m in range(n_micro) for i in own)
-
-    def reduce_loss(loss_sum):
-        if lm is None:
-            return 0.0
-        dist.all_reduce(loss_sum, group=par.lm.dp_cp)
-        return loss_sum.item()
-
-    def evaluate():
-        for m in modules.values():
-            m.eval()
-        total = torch.zeros((), device=device)
-        batch = eval_loader.step(0, args.eval_iters)  # {sample index: Sample}, this rank's only
-        with torch.no_grad():
-            for k in range(args.eval_iters):
-                total += microbatch(batch, k * lay.samples_per_microbatch, train=False)
-        n = parallel.global_token_count(par, lane_tokens(batch, 0, args.eval_iters))
-        for m in modules.values():
-            m.train()
-        return reduce_loss(total) / max(n, 1), n
-
-    counters = dict(checkpoint.FRESH)  # step, good_steps, consumed_samples, skipped
+    run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers)
+    if eval_data is not None:
+        if args.eval_samples is not None and args.eval_samples < 1:
+            raise SystemExit(f"--eval-samples {args.eval_samples}: an evaluation needs at least one sample")
+        n = args.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
+        run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
+        run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
+    run.bridge = Bridge(par, device)
+    run.counters = dict(checkpoint.FRESH)
     if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
-        counters = checkpoint.load(hf_source or args.load, par, modules, opt, cfg, train_loader,
-                                   finetune=args.finetune or hf_source is not None,
-                                   load_optim=not (args.no_load_optim or args.eval_only), load_rng=not args.no_load_rng)
-    if args.eval_only:  # on the eval data, else on --data; the last line printed is the JSON result
-        if eval_loader is None:
-            eval_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels)
-        result = dict(zip(("eval_loss", "eval_tokens"), evaluate()))
-        if log_rank:
-            print(json.dumps(result), flush=True)
-        if own_group:
-            dist.destroy_process_group()
-        return [result], modules
-    saver = checkpoint.Saver(args.save, par, cfg, modules, opt, args, train_loader) if args.save else None
+        run.counters = checkpoint_call(
+            checkpoint.load, hf_source or args.load, par, run.modules, run.opt, cfg, run.train_loader,
+            finetune=args.finetune or hf_source is not None, load_optim=not (args.no_load_optim or args.eval_only),
+            load_rng=not args.no_load_rng)
+    return run
+
+
+def datasets(args, cfg, verbose):
+    """(train data, eval data or None) of --data and --eval-data: JSONL files / blends, or the mock task."""
+    if args.data != "mock":
+        return data.build(args, cfg, verbose)
+    train_data = mock.MockData(cfg, args.seed)
+    if args.eval_data:
+        return data.build(args, cfg, verbose, train=train_data)
+    return train_data, mock.MockData(cfg, args.seed + 1)
+
+
+def microbatch(run, ds, first, train):
+    """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
+    Returns the sum of token losses on language ranks, zero elsewhere."""
+    cfg, lay, par, device = run.cfg, run.lay, run.par, run.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    loss_sum = torch.zeros((), device=device)
+    if run.vision is not None:
+        own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
+        patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
+        with autocast:
+            out = run.vision(model.host_to_device(patches, device), grids)
+        if train and par.vision.tp_rank == 0:  # MFU: the tower's FLOPs count when it trains, not when frozen
+            tower_trains = any(p.requires_grad for n, p in run.vision.named_parameters() if "mlp1" not in n)
+            run.flops += model.vision_flops(cfg, grids, tower_trains)
+        run.bridge.send(out, rows)
+        if train and run.bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
+            run.bridge.backward_encoder()
+    if run.lm is not None:
+        x, rows = run.bridge.recv()
+        samples = [ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)]
+        ids, labels, seq_idx, valid = data.collate_text(samples)
+        ids_dev, labels, seq_idx, valid = (None if t is None else model.host_to_device(t, device)
+                                           for t in (ids, labels, seq_idx, valid))
+        with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
+            h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
+            s, _ = run.lm.loss_sum(run.lm(h, seq_idx, valid), labels)
+        if train:
+            s.backward()
+            run.bridge.send_grad()
+            if par.lm.tp_rank == 0:
+                run.flops += ids.numel() * model.lm_flops_per_token(cfg, cfg.seq_len)
+                run.real_tokens += sum(len(x.input_ids) - x.n_pad for x in samples)
+        loss_sum = s.detach().float()
+    if not train:
+        run.bridge.release()
+    return loss_sum
+
+
+def lane_tokens(run, ds, first_sample, n_micro):
+    """Loss tokens of this language lane's samples in n_micro micro-batches from first_sample (0 off language)."""
+    if run.lm is None:
+        return 0
+    own, spm = parallel.lane_samples(run.lay, "lm", run.par.lm.dp_rank), run.lay.samples_per_microbatch
+    return sum(int((ds[first_sample + m * spm + i].labels != -100).sum()) for m in range(n_micro) for i in own)
+
+
+def reduce_loss(run, loss_sum):
+    if run.lm is None:
+        return 0.0
+    dist.all_reduce(loss_sum, group=run.par.lm.dp_cp)
+    return loss_sum.item()
+
+
+def train_step(run, step):
+    """One optimizer step (the module docstring) -> its history entry; updates run.counters."""
+    args, lay, lm, c = run.args, run.lay, run.lm, run.counters
+    t0 = time.perf_counter()
+    lr = learning_rate(args, c["good_steps"], c["good_steps"] * args.global_batch)  # skipped steps advance neither
+    for g in run.opt.param_groups if run.opt is not None else ():
+        g["lr"] = lr
+    base, n_micro = step * args.global_batch, lay.num_microbatches
+    batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
+    n_global = parallel.global_token_count(run.par, lane_tokens(run, batch, base, n_micro))
+    if lm is not None:
+        moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
+    loss_sum = torch.zeros((), device=run.device)
+    run.flops = run.real_tokens = 0
+    for k in range(n_micro):
+        loss_sum += microbatch(run, batch, base + k * lay.samples_per_microbatch, train=True)
+    while run.bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
+        run.bridge.backward_encoder()
+    vparams = list(run.vision.parameters()) if run.vision is not None else []
+    lparams = list(lm.parameters()) if lm is not None else []
+    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, args.clip_grad)
+    run.expert_counts = None
+    if ok:
+        if run.opt is not None:
+            run.opt.step()
+        if lm is not None:
+            run.expert_counts = moe.update_expert_bias(lm, run.cfg.moe_bias_update_rate, run.par.lm.tp_dp)
+        c["good_steps"] += 1
+    else:
+        c["skipped"] += 1
+        if lm is not None:
+            moe.discard_expert_counts(lm)
+    c["consumed_samples"] += args.global_batch
+    c["step"] = step + 1
+    if run.opt is not None:
+        run.opt.zero_grad(set_to_none=True)
+    loss = reduce_loss(run, loss_sum) / max(n_global, 1)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr, "ok": ok,
+            "step_time_s": time.perf_counter() - t0}
+
+
+def evaluate(run):
+    """Score every sample of run.eval_set once -> {eval_loss (per token), eval_ppl, eval_tokens, eval_samples}.
+    The samples and their tokens are the same in every layout, so are the numbers (up to summation order)."""
+    spm = run.lay.samples_per_microbatch
+    for m in run.modules.values():
+        m.eval()
+    total, tokens = torch.zeros((), device=run.device), 0
+    with torch.no_grad():
+        for first in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
+            batch = run.eval_loader.step(first, 1)
+            total += microbatch(run, batch, first, train=False)
+            tokens += lane_tokens(run, batch, first, 1)
+    for m in run.modules.values():
+        m.train()
+    n = parallel.global_token_count(run.par, tokens)
+    loss = reduce_loss(run, total) / max(n, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
+            "eval_samples": run.eval_set.n}
+
+
+def step_record(run, h, log):
+    """The step's log record from its history entry (every rank takes part: two collectives)."""
+    args, world = run.args, dist.get_world_size()
+    per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
+    dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
+    h["model_flops"] = sum(f for _, f in per_rank)
+    tokens = parallel.global_token_count(run.par, run.real_tokens)
+    dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
+    tflops = h["model_flops"] / dt / world / 1e12
+    rec = {"step": h["step"], "steps": args.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
+           "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
+           "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
+           "step_time_s": dt, "elapsed_s": elapsed,
+           "eta_s": elapsed / (h["step"] - log.first) * (args.steps - h["step"]),
+           "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
+           "peak_mem_gib_per_rank": [m for m, _ in per_rank]}
+    if run.expert_counts is not None and args.moe_stats_every and (h["step"] - 1) % args.moe_stats_every == 0:
+        rec["moe"] = logs.moe_stats(run.expert_counts)
+    return rec
+
+
+def train(run):
+    """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step)."""
+    args, cfg = run.args, run.cfg
+    log = logs.Log(args, run.log_rank, args.steps, run.counters["step"])
+    if run.log_rank:
+        summaries = [logs.data_summary("train", run.train_data)]
+        if run.eval_set is not None:
+            summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
+        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers))
+    saver = checkpoint.Saver(args.save, run.par, cfg, run.modules, run.opt, args, run.train_loader) \
+        if args.save else None
     stop = {"signal": None}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
-    metrics = open(args.metrics_file, "a") if args.metrics_file and log_rank else None
-    tb = None
-    if args.tensorboard and log_rank:
-        from torch.utils.tensorboard import SummaryWriter  # optional dependency
-        tb = SummaryWriter(args.tensorboard)
-    tokens_per_step = args.global_batch * cfg.seq_len
-    peak = peak_tflops(device)
-    good_steps, consumed, skipped = counters["good_steps"], counters["consumed_samples"], counters["skipped"]
     history = []  # per step, on every rank: what tests and callers of main() inspect
-    for m in modules.values():
+    for m in run.modules.values():
         m.train()
-    bar = tqdm(total=args.steps, initial=counters["step"], unit="step",
-               disable=not (log_rank and sys.stdout.isatty()))  # a progress bar only for a person watching
-    for step in range(counters["step"], args.steps):
-        t0 = time.perf_counter()
-        lr = learning_rate(args, good_steps, good_steps * args.global_batch)  # skipped steps advance neither
-        if opt is not None:
-            for g in opt.param_groups:
-                g["lr"] = lr
-        base = step * args.global_batch
-        n_micro = lay.num_microbatches
-        batch = train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
-        n_global = parallel.global_token_count(par, lane_tokens(batch, base, n_micro))
-        if lm is not None:
-            moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
-        loss_sum = torch.zeros((), device=device)
-        counted["flops"] = 0
-        for k in range(n_micro):
-            loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
-        while bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
-            bridge.backward_encoder()
-        norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
-        counts = None
-        if ok:
-            if opt is not None:
-                opt.step()
-            if lm is not None:
-                counts = moe.update_expert_bias(lm, cfg.moe_bias_update_rate, par.lm.tp_dp)
-            good_steps += 1
-        else:
-            skipped += 1
-            if lm is not None:
-                moe.discard_expert_counts(lm)
-        consumed += args.global_batch
-        if opt is not None:
-            opt.zero_grad(set_to_none=True)
-        loss = reduce_loss(loss_sum) / max(n_global, 1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        history.append({"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr,
-                        "ok": ok, "step_time_s": dt})
-        stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
+    for step in range(run.counters["step"], args.steps):
+        history.append(train_step(run, step))
+        stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=run.device)
         dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
         stopping = bool(stop_now.item())
-        log_now = step % args.log_every == 0 or step == args.steps - 1
-        per_rank = [(None, 0)] * world
-        if log_now:  # every rank's peak memory, so a hetero run shows both grids, and its counted FLOPs
-            dist.all_gather_object(per_rank, (round(peak_memory_gib(device), 2), counted["flops"]))
-            history[-1]["model_flops"] = sum(f for _, f in per_rank)
-        mem_per_rank = [m for m, _ in per_rank]
-        if log_rank and log_now:
-            tflops = history[-1]["model_flops"] / dt / world / 1e12
-            rec = {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "skipped": skipped,
-                   "consumed_samples": consumed, "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt,
-                   "tokens_per_s_per_gpu_lm": tokens_per_step / dt / lay.lm_size,
-                   "tokens_per_s_per_gpu_all": tokens_per_step / dt / world, "step_time_s": dt,
-                   "tflops_per_gpu": tflops if device.type == "cuda" else None,
-                   "mfu": tflops / peak if peak else None, "peak_mem_gib": peak_memory_gib(device),
-                   "peak_mem_gib_per_rank": mem_per_rank}
-            if counts is not None and args.moe_stats_every and step % args.moe_stats_every == 0:
-                rec["moe"] = moe_stats(counts)
-            if bar.disable:
-                print(format_line(rec), flush=True)
-            else:
-                tqdm.write(format_line(rec))
-            if metrics:
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-            if tb:
-                for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
-                                  ("step_time_s", "iteration-time"), ("tokens_per_s", "throughput")):
-                    tb.add_scalar(name, rec[key], step + 1)
-                for key, value in rec.get("moe", {}).items():
-                    if not isinstance(value, list):
-                        tb.add_scalar(f"moe/{key}", value, step + 1)
-        bar.update(1)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            log.step(step_record(run, history[-1], log))
+        log.bar.update(1)
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            eval_loss, eval_tokens = evaluate()
-            if log_rank:
-                print(f"eval step {step + 1}: loss {eval_loss:.4f} over {eval_tokens} tokens", flush=True)
+            log.eval(step + 1, evaluate(run))
         if saver is not None:  # --save-every, the last step and a stop signal save; also commits an async save
-            saver.after_step(step + 1, dict(step=step + 1, good_steps=good_steps, consumed_samples=consumed,
-                                            skipped=skipped), last=stopping or step + 1 == args.steps)
+            saver.after_step(step + 1, dict(run.counters), last=stopping or step + 1 == args.steps)
         if stopping:
-            if log_rank:
-                print(f"stopping after step {step + 1} on signal", flush=True)
+            log.say(f"stopping after step {step + 1} on signal")
             break
-    bar.close()
     if saver is not None:
         saver.close()  # waits for an async save in flight
-    if metrics:
-        metrics.close()
-    if own_group:
-        dist.destroy_process_group()
-    return history, modules
-
-
-def moe_stats(counts_LE):
-    """Per MoE layer: expert load entropy (nats; log E when balanced), max load fraction, tokens, counts."""
-    frac = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)
-    entropy = -(frac * frac.clamp_min(1e-12).log()).sum(-1)
-    return {"routing_entropy_mean": entropy.mean().item(), "max_expert_load_frac": frac.max().item(),
-            "tokens_per_layer": counts_LE.sum(-1).tolist(), "expert_counts": counts_LE.long().tolist()}
-
-
-def peak_memory_gib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
-
-
-def format_line(r):
-    na = lambda v, f: "N/A" if v is None else format(v, f)
-    return (f"step {r['step']} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | grad norm {r['grad_norm']:.3f} | "
-            f"skipped {r['skipped']} | tok/s/gpu {r['tokens_per_s_per_gpu_lm']:.0f} (lm) "
-            f"{r['tokens_per_s_per_gpu_all']:.0f} (all) | TFLOP/s/gpu {na(r['tflops_per_gpu'], '.1f')} | "
-            f"MFU {na(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} ms | peak mem GiB per rank "
-            f"{r['peak_mem_gib_per_rank']}")
+    log.close(run.counters["step"], args.save, run.argv)
+    return history
 
 
 def dry_run(cfg, lay, args):
     total_lm, active_lm = model.count_language_params(cfg)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
-    print("config:", json.dumps(vars(cfg)))
+    print("config:", json.dumps(vars(cfg), indent=2))
     print(lay.describe())
     mem = {k: round(v / 2 ** 30, 2) for k, v in memory_estimate(cfg, lay, args.stage).items()}
     print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
@@ -488,5 +554,25 @@ def dry_run(cfg, lay, args):
                       "memory_gib_per_rank": mem, "layout": lay.describe()}))
 
 
+def cli(argv=None):
+    """The command line: main(), a user error (SystemExit with a message, a bad data line) printed as one line
+    `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
+    its traceback."""
+    try:
+        main(argv)
+    except (SystemExit, data.BadSample) as e:
+        # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
+        bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
+        msg = e.code if isinstance(e, SystemExit) else f"{bad_line}. Fix the line or pass --skip-bad-samples"
+        if not isinstance(msg, str):              # --help, a plain exit status
+            raise
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            traceback.print_exc()
+        if int(os.environ.get("RANK", 0)) != 0:  # rank 0 most likely failed too: its exit makes torchrun end
+            time.sleep(ERROR_GRACE_S)             # this process meanwhile; if not, the error was this rank's only
+        print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

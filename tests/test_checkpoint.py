@@ -1,6 +1,7 @@
 """Checkpoints on CPU gloo ranks: bit-exact resume (sync; async + SIGTERM), crash safety, resharding (tp2 ep2 on 4
 ranks -> 1 process), errors that name file and tensor, export of a trained sharded checkpoint, --eval-only."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -65,7 +66,7 @@ def test_resume_is_bit_exact(tmp_path, straight, mode):
     else:   # a signal during step 3 of a 6-step run: the loop stops after it and saves (in a thread)
         first = run_distributed(_train, 4, TINY + ["--steps", "6", "--save", save, "--save-every", "2",
                                                    "--async-save"], 3)
-    assert sorted(os.listdir(save)) == ["latest", "step_00000002", "step_00000003"]
+    assert sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000002", "step_00000003"]
     assert open(os.path.join(save, "latest")).read().strip() == "step_00000003"
     step_dir = os.path.join(save, "step_00000003")
     meta = json.load(open(os.path.join(step_dir, "meta.json")))
@@ -235,4 +236,6 @@ def test_eval_only_prints_json_last(sharded):
     out = subprocess.run([sys.executable, "train.py", "--eval-only", "--load", save], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    assert set(result) == {"eval_loss", "eval_tokens"} and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20
+    assert set(result) == {"eval_loss", "eval_ppl", "eval_tokens", "eval_samples"}, result
+    assert result["eval_samples"] == train.MOCK_EVAL_SAMPLES and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20
+    assert abs(result["eval_ppl"] - math.exp(result["eval_loss"])) <= 1e-9 * result["eval_ppl"]

@@ -160,7 +160,7 @@ def test_eval_only_load_hf_omni_equals_transformers_loss(omni, tmp_path):
                          {"role": "assistant", "content": "a cat."}]}
     (tmp_path / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     args = ["--eval-only", "--load", str(d), "--preset", "tiny", "--data", str(tmp_path / "chat.jsonl"),
-            "--global-batch", "1", "--eval-iters", "1"]
+            "--global-batch", "1", "--eval-samples", "1"]
     (result,) = run_distributed(lambda r, w: train.main(args)[0], 1)[0]
     cfg = hf_interop.HFSource(d, "tiny", say=lambda m: None).cfg
     enc = data.Encoder(data.load_tokenizer(str(d), cfg), cfg)

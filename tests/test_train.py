@@ -15,6 +15,7 @@ import torch.distributed as dist
 import comm
 import config
 import data
+import mock
 import model
 import parallel
 import train
@@ -192,7 +193,7 @@ def test_text_only_mixing_matches_one_process():
     vision rank 1 encodes nothing in the whole step and still takes part in the reduction."""
     argv = ONE_STEP + ["--mock-text-only-frac", "0.5", "--seed", "15"]
     cfg = config.resolve("tiny", {"mock_text_only_frac": "0.5"})
-    assert [len(data.MockData(cfg, 15)[i].images) for i in range(GB)] == [0, 0, 1, 0]
+    assert [len(mock.MockData(cfg, 15)[i].images) for i in range(GB)] == [0, 0, 1, 0]
     (reference,) = run(argv, 1)
     _, _, ref_grads = reference
     assert ref_grads["vision.blocks.0.attn.qkv.weight"].abs().max() > 0       # the one image trains the tower
@@ -200,7 +201,7 @@ def test_text_only_mixing_matches_one_process():
     assert [h[0]["loss"] is None for h, _, _ in results] == [True, True, False, False]
     assert_step_matches(results, reference, "text-only mix")
     # MFU counts what ran: 4 x 96 language tokens and the one image (the tower trains at stage 3), on any layout
-    _, grids, _ = data.collate_images([data.MockData(cfg, 15)[2]], cfg)
+    _, grids, _ = data.collate_images([mock.MockData(cfg, 15)[2]], cfg)
     flops = GB * cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) + model.vision_flops(cfg, grids, True)
     assert grids == [(4, 4)] and reference[0][0]["model_flops"] == flops
     assert all(h[0]["model_flops"] == flops for h, _, _ in results)

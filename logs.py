@@ -1,0 +1,157 @@
+"""What a run tells its user, from one rank: the start (config, data, parameters), one line per step (console and
+--metrics-file / --tensorboard), eval lines and the closing summary. Console lines go through tqdm.write, so they
+never break the progress bar a person watching a terminal sees. Metric keys name their units (_s, _gib, per_s).
+"""
+import json
+import os
+import shlex
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import model
+from radio import VisionModel
+
+
+def fmt_time(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def peak_memory_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def moe_stats(counts_LE):
+    """Per MoE layer: expert load entropy (nats; log E when balanced), max load fraction, tokens, counts."""
+    frac = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)
+    entropy = -(frac * frac.clamp_min(1e-12).log()).sum(-1)
+    return {"routing_entropy_mean": entropy.mean().item(), "max_expert_load_frac": frac.max().item(),
+            "tokens_per_layer": counts_LE.sum(-1).tolist(), "expert_counts": counts_LE.long().tolist()}
+
+
+def param_counts(cfg, stage, train_layers):
+    """{part: (trainable, frozen)} for the vision tower, projector and language model, counted on the meta device
+    (the whole model, whatever this rank holds)."""
+    with torch.device("meta"):
+        modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
+    model.set_trainable(modules, stage, train_layers)
+    out = {"vision tower": [0, 0], "projector": [0, 0], "language": [0, 0]}
+    for prefix, m in modules.items():
+        for name, p in m.named_parameters():
+            part = "language" if prefix == "language" else "projector" if name.startswith("mlp1.") else "vision tower"
+            out[part][0 if p.requires_grad else 1] += p.numel()
+    return out
+
+
+def data_summary(name, ds):
+    """One line on what a data set holds: the mock task's shape, or a JSONL blend's documents, tokens, shares and
+    skipped lines."""
+    if not hasattr(ds, "sources"):
+        cfg = ds.cfg
+        return (f"{name} data: mock ({cfg.mock_text}), {cfg.mock_num_samples or 'unlimited'} samples of "
+                f"{cfg.seq_len} tokens, {ds.image_tokens} image tokens per image, "
+                f"{cfg.mock_text_only_frac:.0%} text only")
+    shares = sum(w for w, _, _ in ds.sources)
+    parts = [f"{p} ({w / shares:.0%}): {len(idx['offsets'])} documents, {int(idx['lengths'].sum())} tokens"
+             + (f", {len(idx['bad'])} skipped" if len(idx.get("bad", ())) else "") for w, p, idx in ds.sources]
+    return f"{name} data: " + "; ".join(parts)
+
+
+class Log:
+    """Console, metrics file and TensorBoard of the logging rank; every method is a no-op on the others."""
+
+    def __init__(self, args, on, total_steps, first_step):
+        self.on, self.args, self.t0, self.first = on, args, time.perf_counter(), first_step
+        self.bar = tqdm(total=total_steps, initial=first_step, unit="step",
+                        disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
+        self.metrics = open(args.metrics_file, "a") if args.metrics_file and on else None
+        self.tb = None
+        if args.tensorboard and on:
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency
+            self.tb = SummaryWriter(args.tensorboard)
+        self.last = {}
+
+    def say(self, msg):
+        if self.on:
+            tqdm.write(msg) if not self.bar.disable else print(msg, flush=True)
+
+    def start(self, cfg, run_dir, data_lines, counts):
+        """The resolved config (indented, in the run directory when there is one), the data and the trainable /
+        frozen parameters."""
+        if not self.on:
+            return
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "run_config.json"), "w") as f:
+                f.write(json.dumps({"args": vars(self.args), "config": vars(cfg)}, indent=2) + "\n")
+            self.say(f"config: {os.path.join(run_dir, 'run_config.json')}")
+        else:
+            self.say(f"config: {json.dumps(vars(cfg))}")
+        for line in data_lines:
+            self.say(line)
+        self.say("parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()))
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def step(self, rec):
+        """One step's record (see train.step_record): a console line, a metrics line, TensorBoard scalars."""
+        self.last["loss"] = rec["loss"]
+        if not self.on:
+            return
+        na = lambda v, f: "N/A" if v is None else format(v, f)  # noqa: E731
+        self.say(f"step {rec['step']}/{rec['steps']} | loss {rec['loss']:.4f} | lr {rec['lr']:.3e} | "
+                 f"grad norm {rec['grad_norm']:.3f} | skipped {rec['skipped']} | tok/s {rec['tokens_per_s']:.0f} | "
+                 f"MFU {na(rec['mfu'], '.1%')} | peak mem {max(rec['peak_mem_gib_per_rank']):.2f} GiB | "
+                 f"{rec['step_time_s'] * 1e3:.0f} ms | elapsed {fmt_time(rec['elapsed_s'])} | "
+                 f"ETA {fmt_time(rec['eta_s'])}")
+        if self.metrics:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+        if self.tb:
+            for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
+                              ("step_time_s", "iteration-time"), ("tokens_per_s", "throughput")):
+                self.tb.add_scalar(name, rec[key], rec["step"])
+            for key, value in rec.get("moe", {}).items():
+                if not isinstance(value, list):
+                    self.tb.add_scalar(f"moe/{key}", value, rec["step"])
+
+    def eval(self, step, result):
+        self.last["eval_loss"] = result["eval_loss"]
+        self.say(f"eval step {step}: loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f} | "
+                 f"{result['eval_tokens']} tokens of {result['eval_samples']} samples")
+        if self.metrics and self.on:
+            self.metrics.write(json.dumps({"step": step, **result}) + "\n")
+            self.metrics.flush()
+
+    def close(self, step, save_dir, argv):
+        """The closing summary: steps, time, last losses, the checkpoint and the lines to resume and export."""
+        self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+        if not self.on:
+            return
+        fmt = lambda k: "N/A" if self.last.get(k) is None else f"{self.last[k]:.4f}"  # noqa: E731
+        self.say(f"done: {step - self.first} steps (to step {step}) in {fmt_time(self.elapsed())} | last loss "
+                 f"{fmt('loss')} | last eval loss {fmt('eval_loss')}")
+        if save_dir:
+            self.say(f"checkpoint: {save_dir}\nresume (with a larger --steps to train on): "
+                     f"{resume_command(argv, save_dir)}\nexport: python hf_interop.py export-hf --load {save_dir} "
+                     "--out HF_DIR")
+
+
+def resume_command(argv, save_dir):
+    """This run's command line with --load save_dir in place of any --load."""
+    keep = [a for i, a in enumerate(argv) if not (a == "--load" or a.startswith("--load=") or
+                                                  (i > 0 and argv[i - 1] == "--load"))]
+    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    nodes = int(os.environ.get("WORLD_SIZE", 1)) // nproc
+    launcher = "python" if nproc == 1 and nodes == 1 else \
+        f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
+    return f"{launcher} train.py {shlex.join(keep + ['--load', save_dir])}"

@@ -1,0 +1,238 @@
+"""A user's first hour (issue 17): evaluations that report the same numbers in every layout, the mock task that
+learns through the image, nothing compiled at import, one-line errors, the log lines, a two-node launch."""
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import config
+import data
+import logs
+import mock
+import model
+import radio
+import train
+from tests.spawn import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                         "MASTER_ADDR", "MASTER_PORT")}
+
+
+def text_docs(path, lengths):
+    """A JSONL file of {"text"} documents of the given byte lengths: each scores len + 1 tokens (bytes + EOS)."""
+    with open(path, "w") as f:
+        for i, n in enumerate(lengths):
+            f.write(json.dumps({"text": "".join(chr(97 + (i + j) % 26) for j in range(n))}) + "\n")
+    return str(path)
+
+
+def sh(*argv, env=ENV, timeout=120):
+    return subprocess.run(list(argv), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- 1. eval: the same numbers in every layout
+
+EVAL_LAYOUTS = {  # name: (world, flags)
+    "one process": (1, []),
+    "one process, micro-batch 2": (1, ["--micro-batch", "2"]),
+    "hetero v-dp2 + lm-dp2": (4, ["--vision-dp", "2", "--lm-dp", "2"]),
+    "hetero v-dp1 + lm-tp2": (3, ["--vision-dp", "1", "--lm-tp", "2", "--lm-dp", "1"]),
+    "colocated dp2, micro-batch 2": (2, ["--colocated", "--micro-batch", "2"]),
+    "colocated dp2 ep2": (2, ["--colocated", "--lm-ep", "2"]),
+}
+
+
+def _eval(rank, world, argv):
+    (result,), _ = train.main(list(argv))
+    return result
+
+
+@pytest.mark.parametrize("eval_data", ["mock", "jsonl"])
+def test_eval_is_the_same_in_every_layout(eval_data, tmp_path):
+    """5 samples: a partial last micro-batch in every layout but one process at micro-batch 1. The model is the
+    layout-independent init (seed 3), the data the mock task's held-out set or a JSONL file beside mock --data."""
+    argv = ["--preset", "tiny", "--eval-only", "--seed", "3", "--global-batch", "4", "--stage", "3"]
+    if eval_data == "mock":
+        argv += ["--eval-samples", "5"]
+    else:  # the whole file: 5 documents of 10..50 bytes
+        argv += ["--eval-data", text_docs(tmp_path / "eval.jsonl", [10, 20, 30, 40, 50])]
+    results = {name: run_distributed(_eval, world, argv + flags, timeout=90.0)
+               for name, (world, flags) in EVAL_LAYOUTS.items()}
+    ref = results["one process"][0]
+    assert ref["eval_samples"] == 5
+    if eval_data == "jsonl":
+        assert ref["eval_tokens"] == 150 + 5                                # every byte and each EOS
+    else:
+        cfg = config.resolve("tiny")
+        ds = mock.MockData(cfg, 3 + 1)                                       # the held-out seed
+        assert ref["eval_tokens"] == sum(int((ds[i].labels != -100).sum()) for i in range(5))
+    assert 5.0 < ref["eval_loss"] < 7.0 and ref["eval_ppl"] == pytest.approx(math.exp(ref["eval_loss"]), rel=1e-12)
+    for name, per_rank in results.items():
+        assert any(r["eval_loss"] for r in per_rank), name
+        for r in per_rank:
+            if r["eval_loss"]:                                               # language ranks know it
+                assert r["eval_tokens"] == ref["eval_tokens"], (name, r, ref)
+                assert abs(r["eval_loss"] - ref["eval_loss"]) <= 1e-5, (name, r, ref)
+
+
+def test_eval_every_with_mock_data_scores_the_eval_file(tmp_path, capfd):
+    argv = ["--preset", "tiny", "--steps", "2", "--global-batch", "4", "--eval-every", "1",
+            "--eval-data", text_docs(tmp_path / "eval.jsonl", [7, 9, 11])]
+    run_distributed(lambda rank, world: train.main(argv)[0], 1, timeout=60.0)
+    out = capfd.readouterr().out
+    evals = re.findall(r"eval step (\d): loss [0-9.]+ \| ppl [0-9.]+ \| (\d+) tokens of (\d) samples", out)
+    assert evals == [("1", "30", "3"), ("2", "30", "3")]                                  # 7+9+11 bytes + 3 EOS
+
+
+# ---------------------------------------------------------------- 2. the mock task learns, through the image
+
+def answer_loss(modules, cfg, seed=99, n=32):
+    """Mean loss of the label only the image predicts (the first count after the image), over the samples of
+    n mock indices that have an image; computed by one process holding both modules."""
+    ds, losses = mock.MockData(cfg, seed), []
+    vision, lm = modules["vision"], modules["language"]
+    with torch.no_grad():
+        for s in (ds[i] for i in range(n)):
+            if s.images:
+                patches, grids, rows = data.collate_images([s], cfg)
+                ids, labels, _, _ = data.collate_text([s])
+                h = model.place_images(lm.embed(ids), ids, vision(patches, grids), rows, cfg.image_token_id)
+                logp = torch.log_softmax(lm.logits(lm(h, None, None))[0].float(), -1)
+                losses.append(-logp[ds.answer_position, labels[0, ds.answer_position]].item())
+    return sum(losses) / len(losses)
+
+
+def _learn(rank, world, argv, image_noise):
+    if image_noise:   # the same task, the image replaced by noise: nothing in it tells the answer
+        real = mock.MockData.image
+        mock.MockData.image = lambda self, start, g: real(self, None, g)
+    history, modules = train.main(list(argv))
+    return [h["loss"] for h in history], answer_loss(modules, config.resolve("tiny"))
+
+
+def test_mock_task_learns_through_the_image():
+    argv = ["--preset", "tiny", "--steps", "60", "--lr", "3e-3", "--lr-schedule", "constant"]
+    chance = math.log(mock.COUNT // mock.STRIDE)                                # ln 8: the image's 8 colours
+    (losses, answer), = run_distributed(_learn, 1, argv, False, timeout=180.0)
+    assert losses[0] > 6.0 and losses[-1] < 0.8 * losses[0] and losses[-1] < 0.5, losses
+    assert answer < 0.2 * chance, answer
+    (losses, answer), = run_distributed(_learn, 1, argv, True, timeout=180.0)
+    assert losses[-1] < 0.5, losses                                             # the text still learns
+    assert answer > 0.8 * chance, answer                                        # the answer does not
+
+
+def test_mock_text_random_is_unlearnable_noise():
+    cfg = config.resolve("tiny", {"mock_text": "random"})
+    s = mock.MockData(cfg, 0)[0]
+    assert s.images[0].shape == (3, 64, 64) and abs(s.images[0].mean()) < 0.1 and s.images[0].std() > 0.9
+    assert (s.labels[:4] == -100).all() and len(set(s.input_ids[4:].tolist())) > 50          # random ids
+
+
+# ---------------------------------------------------------------- 3. nothing compiles at import
+
+def test_import_compiles_nothing():
+    out = sh(sys.executable, "-c", "import sys, train; print(sorted(m for m in sys.modules if m.startswith("
+             "('torch._dynamo', 'torch._inductor', 'triton'))))")
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+
+
+# ---------------------------------------------------------------- 4. one-line errors
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stpes", "5"], "error: unknown flag --stpes. Did you mean --steps?"),
+    (["--hiden-size", "64"], "error: unknown flag --hiden-size. Did you mean --hidden-size?"),
+    (["--data", "nowhere.jsonl"], "error: data file nowhere.jsonl does not exist. Check the path"),
+    (["--seq-len", "4"], "error: a mock image of 4 tokens leaves no room for text in seq_len 4. Raise --seq-len"),
+    (["--eval-only", "--load", "no_such_dir"], "error: no_such_dir/meta.json: missing"),
+    (["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'. See --help"),
+])
+def test_user_errors_are_one_line(argv, message):
+    out = sh(sys.executable, "train.py", "--preset", "tiny", *argv)
+    assert out.returncode == 2 and out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_one_line_error_from_two_ranks_printed_once():
+    out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--preset", "tiny",
+             "--global-batch", "3")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and 'train.py", line' not in out.stderr, out.stderr    # torchrun's own report only
+    assert len(lines) == 1 and lines[0].startswith("error: bad parallel layout") and "global_batch 3" in lines[0], lines
+    debug = sh(sys.executable, "train.py", "--preset", "tiny", "--seq-len", "4", "--debug")
+    assert "Traceback (most recent call last)" in debug.stderr and "leaves no room" in debug.stderr
+
+
+# ---------------------------------------------------------------- 5. what the log says
+
+def test_log_lines(tmp_path):
+    """JSONL documents of 30 bytes (32 tokens with BOS / EOS, 64 of padding): tok/s counts the 32."""
+    docs = text_docs(tmp_path / "docs.jsonl", [30] * 8)
+    save, metrics = str(tmp_path / "run"), str(tmp_path / "metrics.jsonl")
+    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", "2", "--data", docs, "--eval-frac", "0.25",
+            "--eval-every", "2", "--save", save, "--metrics-file", metrics]
+    out = sh(sys.executable, "train.py", *argv)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert f"config: {save}/run_config.json" in lines
+    saved = open(os.path.join(save, "run_config.json")).read()
+    assert saved.startswith('{\n  "args": {') and json.loads(saved)["config"]["seq_len"] == 96
+    assert f"train data: {docs} (100%): 6 documents, 192 tokens" in lines                  # 6 x 32
+    assert f"eval data: {docs} (100%): 2 documents, 64 tokens (scores 2 samples)" in lines
+    counts = logs.param_counts(config.resolve("tiny"), 2, None)                             # stage 2
+    assert "parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()) in lines
+    steps = [line for line in lines if line.startswith("step ")]
+    pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| tok/s \d+ \| "
+               r"MFU N/A \| peak mem [0-9.]+ GiB \| \d+ ms \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d")
+    assert [re.fullmatch(pattern, line).group(1) for line in steps] == ["1", "2", "3"], steps
+    assert any(re.fullmatch(r"eval step 2: loss [0-9.]+ \| ppl [0-9.]+ \| 62 tokens of 2 samples", x) for x in lines)
+    assert lines[-4].startswith("done: 3 steps (to step 3) in 0:00:") and "last eval loss" in lines[-4]
+    assert lines[-3:] == [f"checkpoint: {save}", "resume (with a larger --steps to train on): python train.py "
+                          f"{' '.join(argv)} --load {save}", f"export: python hf_interop.py export-hf --load {save} "
+                          "--out HF_DIR"]
+    recs = [json.loads(x) for x in open(metrics)]
+    step_recs = [r for r in recs if "tokens" in r]
+    assert [r["tokens"] for r in step_recs] == [64, 64, 64]                                 # not 2 x 96
+    assert all(r["tokens_per_s"] == pytest.approx(64 / r["step_time_s"]) and r["steps"] == 3 for r in step_recs)
+    assert {"elapsed_s", "eta_s", "peak_mem_gib_per_rank", "mfu", "lr", "grad_norm"} <= set(step_recs[0])
+    assert [r["eval_tokens"] for r in recs if "eval_loss" in r] == [62]                     # 2 x 31 targets
+
+
+def test_param_counts_by_part_and_stage():
+    cfg = config.resolve("tiny")
+    total_lm, _ = model.count_language_params(cfg)
+    with torch.device("meta"):
+        projector = sum(p.numel() for p in radio.VisionModel(cfg).mlp1.parameters())
+        tower = sum(p.numel() for p in radio.VisionModel(cfg).parameters()) - projector
+    assert logs.param_counts(cfg, 1, None) == {"vision tower": [0, tower], "projector": [projector, 0],
+                                               "language": [0, total_lm]}
+    assert logs.param_counts(cfg, 2, None) == {"vision tower": [0, tower], "projector": [projector, 0],
+                                               "language": [total_lm, 0]}
+    assert logs.param_counts(cfg, 3, None)["vision tower"] == [tower, 0]
+
+
+# ---------------------------------------------------------------- 6. two nodes
+
+def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
+    """Two torchrun agents on localhost, 2 ranks each, c10d rendezvous: the tiny reference layout (vision dp2 on
+    node 0, language dp2 on node 1) trains the losses of one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", "4", "--lr", "1e-3"]
+    metrics = str(tmp_path / "metrics.jsonl")
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=t17",
+                                "train.py", *argv, "--metrics-file", metrics],
+                               cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outs
+    two_nodes = [json.loads(x)["loss"] for x in open(metrics)]
+    ref = run_distributed(lambda rank, world: [h["loss"] for h in train.main(argv)[0]], 1, timeout=60.0)[0]
+    assert len(two_nodes) == 3 and all(abs(a - b) <= 1e-5 for a, b in zip(two_nodes, ref)), (two_nodes, ref)

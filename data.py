@@ -19,6 +19,7 @@ import base64
 import hashlib
 import io
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -209,15 +210,16 @@ def load_tokenizer(path, cfg):
 # ---------------------------------------------------------------- one document
 
 def _open_image(path, pixels, verify=False):
-    """-> ((H, W), uint8 [3, H, W] RGB or None). Without pixels only the header is read (and, when indexing, the
-    file verified: what one pass can afford); the size comes from the header either way, so all ranks agree."""
+    """-> ((H, W), uint8 [3, H, W] RGB or None). Without pixels only the header is read (when indexing, the image
+    is decoded in full too: a truncated file fails here, at file:line); the size comes from the header either way,
+    so all ranks agree."""
     from PIL import Image
     try:
         with Image.open(path) as im:
             size = (im.height, im.width)
             if not pixels:
                 if verify:
-                    im.verify()
+                    im.load()
                 return size, None
             rgb = np.asarray(im.convert("RGB"))
     except FileNotFoundError:
@@ -448,14 +450,23 @@ def parse_line(raw):
 
 
 def parse_blend(spec):
-    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b.jsonl" -> [(0.7, "a.jsonl"), (0.3, "b.jsonl")]."""
+    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b.jsonl" -> [(0.7, "a.jsonl"), (0.3, "b.jsonl")].
+    Every weight a finite number > 0, every path an existing file."""
     out = []
     for item in spec.split(","):
-        m = re.match(r"^\s*([0-9.]+(?:[eE][-+]?\d+)?):(.+)$", item)
-        weight, path = (float(m.group(1)), m.group(2).strip()) if m else (1.0, item.strip())
-        if weight <= 0 or not path:
-            raise SystemExit(f"bad --data entry {item!r}: expected WEIGHT:PATH with WEIGHT > 0")
-        out.append((weight, path))
+        head, colon, tail = item.partition(":")
+        weight, path = (head, tail.strip()) if colon and not os.path.exists(item.strip()) else ("1", item.strip())
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not (math.isfinite(w) and w > 0):
+            raise SystemExit(f"bad data entry {item!r}: weight {weight!r} is not a finite number > 0; "
+                             "write WEIGHT:PATH, e.g. 0.7:a.jsonl,0.3:b.jsonl")
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: {'is a directory' if os.path.isdir(path) else 'no such file'}; --data and "
+                             "--eval-data take JSONL files, or a blend 0.7:a.jsonl,0.3:b.jsonl")
+        out.append((w, path))
     return out
 
 

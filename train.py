@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from tqdm import tqdm
 import checkpoint
 import config
 import data
+import failsafe
 import hf_interop
 import model
 import moe
@@ -205,12 +205,14 @@ def main(argv=None):
     args, overrides = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     hf_source = None
+    args.load = failsafe.requeue(args, say=print if rank == 0 else lambda msg: None)
     if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
         hf_source, cfg = hf_model(args, overrides, say=print if rank == 0 else lambda msg: None)
     elif args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
         cfg = checkpoint.saved_config(args.load, overrides)
     else:
         cfg = config.resolve(args.preset, overrides)
+    failsafe.check_args(args, cfg)
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
     lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
@@ -284,6 +286,8 @@ def main(argv=None):
                                                for t in (ids, labels, seq_idx, valid))
             with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
                 h = model.place_images(lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
+                if not x.numel():  # text only: an exact 0 ties the loss to the rows, so a frozen language model
+                    h = h + x.sum()  # still runs the backward (and its collectives) every lane runs
                 s, _ = lm.loss_sum(lm(h, seq_idx, valid), labels)
             if train:
                 s.backward()
@@ -336,9 +340,7 @@ def main(argv=None):
             dist.destroy_process_group()
         return [result], modules
     saver = checkpoint.Saver(args.save, par, cfg, modules, opt, args, train_loader) if args.save else None
-    stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    stop = failsafe.Stop(device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
     metrics = open(args.metrics_file, "a") if args.metrics_file and log_rank else None
     tb = None
     if args.tensorboard and log_rank:
@@ -348,12 +350,15 @@ def main(argv=None):
     peak = peak_tflops(device)
     good_steps, consumed, skipped = counters["good_steps"], counters["consumed_samples"], counters["skipped"]
     history = []  # per step, on every rank: what tests and callers of main() inspect
+    bad_steps = 0  # consecutive skipped (non-finite) steps
     for m in modules.values():
         m.train()
     bar = tqdm(total=args.steps, initial=counters["step"], unit="step",
                disable=not (log_rank and sys.stdout.isatty()))  # a progress bar only for a person watching
+    failsafe.nothing_to_train(counters, args, say=print if log_rank else lambda msg: None)
     for step in range(counters["step"], args.steps):
         t0 = time.perf_counter()
+        rng = failsafe.rng_state()
         lr = learning_rate(args, good_steps, good_steps * args.global_batch)  # skipped steps advance neither
         if opt is not None:
             for g in opt.param_groups:
@@ -366,8 +371,15 @@ def main(argv=None):
             moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
         loss_sum = torch.zeros((), device=device)
         counted["flops"] = 0
-        for k in range(n_micro):
+        for k in range(n_micro):  # signal checks: language ranks before a micro-batch, vision after (failsafe.py)
+            if lm is not None and stop():
+                break
             loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
+            if lm is None and stop():
+                break
+        if stop.agreed:
+            failsafe.abandon_step(bridge, modules, train_loader, base, rng)
+            break
         while bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
             bridge.backward_encoder()
         norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
@@ -382,6 +394,8 @@ def main(argv=None):
             skipped += 1
             if lm is not None:
                 moe.discard_expert_counts(lm)
+        bad_steps = 0 if ok else bad_steps + 1
+        failsafe.check_finite_run(bad_steps, cfg.max_skipped_steps, norm, args.save)
         consumed += args.global_batch
         if opt is not None:
             opt.zero_grad(set_to_none=True)
@@ -391,9 +405,6 @@ def main(argv=None):
         dt = time.perf_counter() - t0
         history.append({"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr,
                         "ok": ok, "step_time_s": dt})
-        stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=device)
-        dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-        stopping = bool(stop_now.item())
         log_now = step % args.log_every == 0 or step == args.steps - 1
         per_rank = [(None, 0)] * world
         if log_now:  # every rank's peak memory, so a hetero run shows both grids, and its counted FLOPs
@@ -416,7 +427,7 @@ def main(argv=None):
             else:
                 tqdm.write(format_line(rec))
             if metrics:
-                metrics.write(json.dumps(rec) + "\n")
+                metrics.write(failsafe.json_line(rec))
                 metrics.flush()
             if tb:
                 for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
@@ -432,14 +443,15 @@ def main(argv=None):
                 print(f"eval step {step + 1}: loss {eval_loss:.4f} over {eval_tokens} tokens", flush=True)
         if saver is not None:  # --save-every, the last step and a stop signal save; also commits an async save
             saver.after_step(step + 1, dict(step=step + 1, good_steps=good_steps, consumed_samples=consumed,
-                                            skipped=skipped), last=stopping or step + 1 == args.steps)
-        if stopping:
-            if log_rank:
-                print(f"stopping after step {step + 1} on signal", flush=True)
-            break
+                                            skipped=skipped), last=step + 1 == args.steps)
     bar.close()
+    done = counters["step"] + len(history)
+    if stop.agreed and saver is not None and history:  # the last completed step (nothing new: nothing to save)
+        saver.save(done, dict(step=done, good_steps=good_steps, consumed_samples=consumed, skipped=skipped))
     if saver is not None:
         saver.close()  # waits for an async save in flight
+    if stop.agreed and log_rank:
+        print(failsafe.stop_message(stop.agreed, done, args.save, saved=bool(history)), flush=True)
     if metrics:
         metrics.close()
     if own_group:
@@ -484,4 +496,6 @@ def dry_run(cfg, lay, args):
 
 
 if __name__ == "__main__":
+    failsafe.guard_streams()
     main()
+    sys.exit(failsafe.exit_status())

@@ -78,7 +78,7 @@ def _launch(tmp_path, argv, torchrun, **popen):
     marker = str(tmp_path / "midstep")
     script = tmp_path / "slow_train.py"
     script.write_text(SLOW.format(root=ROOT, marker=marker, argv=argv))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script)] if torchrun else [sys.executable, str(script)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, **popen)

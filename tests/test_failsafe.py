@@ -120,19 +120,19 @@ def test_ctrl_c_with_a_closed_pipe_still_saves(tmp_path):
     assert proc.wait(timeout=120) == 128 + signal.SIGINT
     assert latest(save) == "step_00000001"
     assert [json.loads(line)["step"] for line in open(metrics)] == [1]
-    (straight,) = run_distributed(_train, 1, argv[:-2] + ["--steps", "3"])
-    (resumed,) = run_distributed(_train, 1, argv[:-2] + ["--load", save])
+    (straight,) = run_distributed(_train, 1, TINY + ["--steps", "3"])
+    (resumed,) = run_distributed(_train, 1, TINY + ["--steps", "3", "--load", save])
     assert [h["loss"] for h in resumed[0]] == [h["loss"] for h in straight[0][1:]]
     assert_same(resumed[1], straight[1])
 
 
 def _signal_mid_step(rank, world, argv):
-    """Rank 2 (language, hetero on 4 ranks) sends itself SIGTERM during step 2's second micro-batch."""
+    """Rank 2 (language, hetero on 4 ranks) sends itself SIGTERM during step 2's first of 2 micro-batches."""
     collate, calls = data.collate_text, []
 
     def collate_then_signal(samples):
         calls.append(1)
-        if rank == 2 and len(calls) == 4:
+        if rank == 2 and len(calls) == 3:
             os.kill(os.getpid(), signal.SIGTERM)
         return collate(samples)
     data.collate_text = collate_then_signal
@@ -146,7 +146,7 @@ def test_signal_on_one_language_rank_stops_all_ranks_async_save(tmp_path):
     save = str(tmp_path / "ckpt")
     argv = TINY + ["--steps", "3", "--save", save, "--save-every", "1", "--async-save"]
     first = run_distributed(_signal_mid_step, 4, argv)
-    assert [len(h) for h, _ in first] == [1] * 4 and failsafe.exit_status() == 0   # the children's state, not ours
+    assert [len(h) for h, _ in first] == [1] * 4
     assert latest(save) == "step_00000001" and sorted(os.listdir(save)) == ["latest", "step_00000001"]
     straight = run_distributed(_train, 4, TINY + ["--steps", "3"])
     resumed = run_distributed(_train, 4, argv + ["--load", save])

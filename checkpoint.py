@@ -395,12 +395,9 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     saved = r.meta["layout"]
     rank_state = None
     if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune \
-            and load_rng:   # every rank checks every rank's file, so a missing one stops all ranks alike
-        fix = "restore it, or resume with --no-load-rng (RNG and data-loader state then start afresh)"
-        for other in range(r.meta["ranks"]):
-            if not os.path.exists(os.path.join(r.dir, f"rank_{other:05d}.json")):
-                read_json(os.path.join(r.dir, f"rank_{other:05d}.json"), fix)
-        rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), fix)
+            and load_rng:
+        rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
+                               "--no-load-rng (RNG and data-loader state then start afresh)")
     if load_rng and not finetune and rank_state is not None:
         _set_rng_state(rank_state["rng"])
     elif load_rng and not finetune:

@@ -177,6 +177,21 @@ def json_line(rec):
 
 # ---------------------------------------------------------------- arguments
 
+def on_every_rank(fn, *args, **kwargs):
+    """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
+    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
+    try:
+        out, error = fn(*args, **kwargs), None
+    except SystemExit as e:
+        out, error = None, str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise SystemExit(first)
+    return out
+
+
 def check_args(args, cfg):
     """Argument errors found before anything is built, the same on every rank."""
     if args.clip_grad < 0:

@@ -286,8 +286,8 @@ def main(argv=None):
                                                for t in (ids, labels, seq_idx, valid))
             with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
                 h = model.place_images(lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
-                if not x.numel():  # text only: an exact 0 ties the loss to the rows, so a frozen language model
-                    h = h + x.sum()  # still runs the backward (and its collectives) every lane runs
+                if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
+                    h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
                 s, _ = lm.loss_sum(lm(h, seq_idx, valid), labels)
             if train:
                 s.backward()
@@ -327,9 +327,10 @@ def main(argv=None):
 
     counters = dict(checkpoint.FRESH)  # step, good_steps, consumed_samples, skipped
     if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
-        counters = checkpoint.load(hf_source or args.load, par, modules, opt, cfg, train_loader,
-                                   finetune=args.finetune or hf_source is not None,
-                                   load_optim=not (args.no_load_optim or args.eval_only), load_rng=not args.no_load_rng)
+        counters = failsafe.on_every_rank(  # a one-line error of one rank (its rank json) ends every rank
+            checkpoint.load, hf_source or args.load, par, modules, opt, cfg, train_loader,
+            finetune=args.finetune or hf_source is not None,
+            load_optim=not (args.no_load_optim or args.eval_only), load_rng=not args.no_load_rng)
     if args.eval_only:  # on the eval data, else on --data; the last line printed is the JSON result
         if eval_loader is None:
             eval_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels)

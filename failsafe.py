@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import data
 import model
 import moe
 from radio import VisionModel
@@ -131,6 +132,48 @@ def stop_message(signum, step, save, saved):
 
 def exit_status():
     return 128 + interrupted if interrupted else 0
+
+
+# ---------------------------------------------------------------- samples that fail at load time
+
+class SkipBad:
+    """--skip-bad-samples for failures indexing could not see (a file changed or damaged since): the sample comes
+    back blank (padding, nothing to train, no image) with .bad = "file:line: reason"; skip_agreed() then blanks it
+    on every rank, because only the ranks that decode pixels may have failed."""
+
+    def __init__(self, ds):
+        self.ds, self.skipped = ds, 0
+
+    def __getattr__(self, name):   # fingerprint, cfg, ... of the wrapped data set
+        if name == "ds":
+            raise AttributeError(name)
+        return getattr(self.ds, name)
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+    def sample(self, i, pixels=True):
+        try:
+            return self.ds.sample(i, pixels)
+        except data.BadSample as e:
+            return self.blank(pixels, str(e))
+
+    def blank(self, pixels, reason=None):
+        cfg, pad = self.ds.cfg, self.ds.enc.sp["<pad>"]   # padding that counts as tokens: no all-masked rows
+        s = data.Sample(torch.full((cfg.seq_len,), pad), torch.full((cfg.seq_len,), -100), [] if pixels else None)
+        s.bad = reason
+        return s
+
+    def skip_agreed(self, batch, pixels, say):
+        """Blank every sample of the step that failed on any rank (a small all_gather), count and report them."""
+        bad = [None] * dist.get_world_size()
+        dist.all_gather_object(bad, {i: s.bad for i, s in batch.items() if getattr(s, "bad", None)})
+        bad = {i: reason for b in bad for i, reason in b.items()}
+        for i in sorted(bad):
+            if i in batch:
+                batch[i] = self.blank(pixels)
+            self.skipped += 1
+            say(f"skipped sample {i} ({bad[i]}); {self.skipped} skipped at load time so far")
 
 
 # ---------------------------------------------------------------- requeue, non-finite steps, metrics

@@ -252,6 +252,8 @@ def main(argv=None):
     lparams = list(lm.parameters()) if lm is not None else []
     opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
     train_data, eval_data = data.build(args, cfg, verbose=log_rank)
+    if args.skip_bad_samples and args.data != "mock":  # also load-time failures, agreed by all ranks each step
+        train_data = failsafe.SkipBad(train_data)
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
     workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
     train_loader = data.Loader(train_data, own, lay.samples_per_microbatch, pixels, workers)
@@ -367,6 +369,8 @@ def main(argv=None):
         base = step * args.global_batch
         n_micro = lay.num_microbatches
         batch = train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
+        if isinstance(train_data, failsafe.SkipBad):
+            train_data.skip_agreed(batch, pixels, say=print if log_rank else lambda msg: None)
         n_global = parallel.global_token_count(par, lane_tokens(batch, base, n_micro))
         if lm is not None:
             moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))

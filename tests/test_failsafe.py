@@ -275,6 +275,26 @@ def test_truncated_jpeg_is_caught_at_indexing(tmp_path, capsys):
     assert list(ds.sources[0][2]["lines"]) == [1, 3]
 
 
+def test_image_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
+    """The index (cached beside the file) says the image is fine; at load time only the vision rank decodes it."""
+    for name in ("a", "b", "c"):
+        Image.new("RGB", (64, 48), (9, 9, 9)).save(tmp_path / f"{name}.jpg")
+    lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"{n}.jpg"}]},
+                           {"role": "assistant", "content": f"{n}{n}"}]} for n in ("a", "b", "c")]
+    path = _jsonl(tmp_path / "imgs.jsonl", lines)
+    ds, _ = data.build(_data_args(path, seed=1234, skip_bad_samples=True), config.resolve("tiny"))   # index cache
+    raw = (tmp_path / "b.jpg").read_bytes()
+    (tmp_path / "b.jpg").write_bytes(raw[: len(raw) // 2])
+    bad = [i for i in range(8) if ds.doc(0, i) == 1]   # samples of the 2 steps that draw b.jpg's line
+    results = run_distributed(_train, 2, HETERO2 + ["--steps", "2", "--data", path, "--skip-bad-samples"])
+    assert all(h["ok"] for h in results[1][0]) and len(results[0][0]) == 2
+    out = capfd.readouterr().out
+    for n, i in enumerate(bad, 1):
+        assert f"skipped sample {i} ({path}:2: undecodable image {tmp_path}/b.jpg: " in out
+        assert f"{n} skipped at load time so far" in out
+    assert out.count("skipped at load time so far") == len(bad) >= 1
+
+
 def _jsonl(path, lines):
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return str(path)

@@ -229,6 +229,16 @@ def test_stage1_with_text_only_micro_batches_hetero_and_colocated():
             assert torch.allclose(state[k], ref[1][k], atol=1e-6), (rank, k)
 
 
+def test_stage1_resume_with_frozen_parameters_is_exact(tmp_path):
+    save = str(tmp_path / "ckpt")
+    run_distributed(_train, 2, STAGE1 + ["--steps", "1", "--save", save])
+    resumed = run_distributed(_train, 2, STAGE1 + ["--load", save])
+    straight = run_distributed(_train, 2, STAGE1)
+    for rank in range(2):
+        assert [h["loss"] for h in resumed[rank][0]] == [h["loss"] for h in straight[rank][0][1:]]
+        assert_same(resumed[rank][1], straight[rank][1])
+
+
 def test_train_layers_matching_nothing_is_refused():
     (msg,) = run_distributed(_train, 1, TINY + ["--train-layers", "^vision\\.nope"])
     assert msg.startswith("--train-layers '^vision\\\\.nope' matches no parameter, so nothing would train; "

@@ -268,6 +268,7 @@ class Saver:
                 for d in older[:-self.args.keep_last]:
                     shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
             print(f"saved checkpoint {step_dir}", flush=True)
+        dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
 
 
 def save_model(path, cfg, state_dict):

@@ -1,6 +1,7 @@
-"""A run loses nothing and says what went wrong: signals, closed pipes, requeue, non-finite steps, checked arguments.
+"""A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, requeue,
+non-finite steps, checked arguments.
 
-Signals: SIGINT / SIGTERM only set a flag. Every rank calls Stop() at the same micro-batch boundaries (a one-int
+Signals: SIGINT / SIGTERM only set a flag (the first one counts; later ones cannot cut the save short). Every rank calls Stop() at the same micro-batch boundaries (a one-int
 all-reduce on a gloo group, so no GPU sync); once any rank was signalled, all abandon the step in progress
 (abandon_step: the bridge traffic in flight is matched, gradients, expert counts, RNG and data position go back
 to the step's start), save the last completed step synchronously and exit with 128 + signal.

@@ -404,7 +404,7 @@ def index_file(path, encoder, skip_bad=False, verbose=True):
     file, keyed by its size, mtime and everything that changes lengths or validity."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
-                                     skip_bad]).encode()).hexdigest()[:16]
+                                     skip_bad, "decoded"]).encode()).hexdigest()[:16]   # images decoded in full
     cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
     if os.path.exists(cache):
         with np.load(cache) as z:

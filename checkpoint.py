@@ -25,7 +25,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import threading
 import zlib
 
@@ -100,6 +99,17 @@ def write_atomic(path, obj):
     os.close(fd)
 
 
+def read_json(path, fix):
+    """A checkpoint's JSON file; missing or corrupt: one line naming it and `fix`."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: missing; {fix}") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError
+        raise SystemExit(f"{path}: corrupt ({e}); {fix}") from None
+
+
 def _read_latest(root):
     path = os.path.join(root, "latest")
     return open(path).read().strip() if os.path.exists(path) else None
@@ -153,13 +163,29 @@ class Saver:
     """ROOT/step_N when train.py asks (--save-every, the last step, a stop signal). Collective: all ranks call it
     after the same step. Sync: save() returns with the checkpoint complete. Async: save() copies the tensors to CPU
     and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
-    --keep-last pruning. At most one save in flight; a failed write is reported (sync: raised), `latest` stays."""
+    --keep-last pruning. At most one save in flight. A failed write (any rank, sync or async) ends the run on every
+    rank, naming the step directory and the cause, and `latest` stays. Every rank writes (its rank json), so every
+    rank checks at the start that it can write into ROOT."""
 
     def __init__(self, root, par, cfg, modules, opt, args, data=None):
         self.root, self.par, self.cfg, self.modules, self.opt, self.args, self.data = \
             root, par, cfg, modules, opt, args, data
-        self.rank, self.pending = dist.get_rank(), None
-        os.makedirs(root, exist_ok=True)
+        self.rank, self.pending, self.last = dist.get_rank(), None, None
+        try:
+            os.makedirs(root, exist_ok=True)
+            probe = os.path.join(root, f".write_test.rank{self.rank}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+            error = None
+        except OSError as e:
+            error = f"{type(e).__name__}: {e.strerror or e}"
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise SystemExit(f"--save {root}: rank {bad[0][0]} cannot write there ({bad[0][1]}); give a writable "
+                             "directory (every rank writes into it)")
 
     def after_step(self, step, counters, last):
         if (self.args.save_every and step % self.args.save_every == 0) or last:
@@ -172,13 +198,19 @@ class Saver:
 
     def save(self, step, counters):
         self.close()
+        if step == self.last:   # saved already (a signal right after a --save-every step)
+            return
         name, lay, lm, world = f"step_{step:08d}", self.par.layout, self.par.lm, dist.get_world_size()
         step_dir = os.path.join(self.root, name)
+        result = {}
         if self.rank == 0:   # a leftover of an interrupted or abandoned run is replaced
-            if _read_latest(self.root) == name:
-                os.remove(os.path.join(self.root, "latest"))
-            shutil.rmtree(step_dir, ignore_errors=True)
-            os.makedirs(step_dir)
+            try:
+                if _read_latest(self.root) == name:
+                    os.remove(os.path.join(self.root, "latest"))
+                shutil.rmtree(step_dir, ignore_errors=True)
+                os.makedirs(step_dir)
+            except OSError as e:   # reported on every rank by close(), like a failed write
+                result["error"] = f"rank 0: {type(e).__name__}: {e}"
         dist.barrier()
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.args.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
@@ -192,9 +224,11 @@ class Saver:
                 "layout": dataclasses.asdict(lay), "layout_text": lay.describe(), "sizes": _sizes(lay),
                 "data": {"consumed_samples": counters["consumed_samples"],
                          "lanes": sorted((x for x in lanes if x), key=lambda x: x["lane"])}}
-        result = {}
+        self.last = step
 
         def write():
+            if "error" in result:
+                return
             try:
                 result["manifest"] = _write_files(step_dir, files)
                 write_atomic(os.path.join(step_dir, f"rank_{self.rank:05d}.json"), rank_state)
@@ -219,12 +253,10 @@ class Saver:
         dist.all_gather_object(reports, (result.get("error"), result.get("manifest", {}), specs))
         errors = [e for e, _, _ in reports if e]
         if errors:
-            msg = f"checkpoint {step_dir} FAILED, `latest` stays {_read_latest(self.root)}: " + "; ".join(errors)
-            if not self.args.async_save:
-                raise RuntimeError(msg)
-            if self.rank == 0:
-                print(msg, file=sys.stderr, flush=True)
-        elif self.rank == 0:
+            raise SystemExit(f"checkpoint {step_dir} FAILED ({'; '.join(errors)}); `latest` stays "
+                             f"{_read_latest(self.root)}. Free space or fix the permissions of {self.root}, then "
+                             f"resume with --load {self.root}")
+        if self.rank == 0:
             meta["tensors"] = {k: v for _, _, s in reports for k, v in sorted(s.items())}
             meta["files"] = {k: v for _, m, _ in reports for k, v in sorted(m.items())}
             write_atomic(os.path.join(step_dir, CONFIG_NAME), dataclasses.asdict(self.cfg))
@@ -236,6 +268,7 @@ class Saver:
                 for d in older[:-self.args.keep_last]:
                     shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
             print(f"saved checkpoint {step_dir}", flush=True)
+        dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
 
 
 def save_model(path, cfg, state_dict):
@@ -268,9 +301,9 @@ def resolve(path):
 
 def saved_config(path, overrides=None):
     """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only)."""
-    path = os.path.join(resolve(path), CONFIG_NAME)
-    with open(path) as f:   # a missing file raises FileNotFoundError naming it
-        values = json.load(f)
+    step_dir = resolve(path)
+    path = os.path.join(step_dir, CONFIG_NAME)
+    values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
     if unknown:
         raise ValueError(f"{path}: unknown config fields {sorted(unknown)}")
@@ -282,8 +315,8 @@ class Reader:
 
     def __init__(self, path):
         self.dir = resolve(path)
-        with open(os.path.join(self.dir, META_NAME)) as f:
-            self.meta = json.load(f)
+        self.meta = read_json(os.path.join(self.dir, META_NAME),
+                              f"restore it, or --load an earlier step of {os.path.dirname(self.dir)}")
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{self.dir}/{META_NAME}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
         self.cfg, self.tensors, self.handles = saved_config(self.dir), self.meta["tensors"], {}
@@ -362,9 +395,10 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
         _load_optimizer(r, opt, entries, say)
     saved = r.meta["layout"]
     rank_state = None
-    if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune:
-        with open(os.path.join(r.dir, f"rank_{rank:05d}.json")) as f:
-            rank_state = json.load(f)
+    if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune \
+            and load_rng:
+        rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
+                               "--no-load-rng (RNG and data-loader state then start afresh)")
     if load_rng and not finetune and rank_state is not None:
         _set_rng_state(rank_state["rng"])
     elif load_rng and not finetune:

@@ -63,6 +63,8 @@ class Config:
     lm_ep: int = 2
     lm_etp: int = 1
     reference_world: int = 8                 # the layout above applies when WORLD_SIZE equals this
+    # ---- failure handling (failsafe.py) ----
+    max_skipped_steps: int = 10              # abort after this many consecutive non-finite steps (0: never)
 
 
 # The language model's shape: the fields an HF nemotron_h config carries (hf_interop.py renames norm_eps, init_std).

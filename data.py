@@ -165,15 +165,16 @@ def load_tokenizer(path, cfg):
 # ---------------------------------------------------------------- one document
 
 def _open_image(path, pixels, verify=False):
-    """-> ((H, W), uint8 [3, H, W] RGB or None). Without pixels only the header is read (and, when indexing, the
-    file verified: what one pass can afford); the size comes from the header either way, so all ranks agree."""
+    """-> ((H, W), uint8 [3, H, W] RGB or None). Without pixels only the header is read (when indexing, the image
+    is decoded in full too: a truncated file fails here, at file:line); the size comes from the header either way,
+    so all ranks agree."""
     from PIL import Image
     try:
         with Image.open(path) as im:
             size = (im.height, im.width)
             if not pixels:
                 if verify:
-                    im.verify()
+                    im.load()
                 return size, None
             rgb = np.asarray(im.convert("RGB"))
     except FileNotFoundError:

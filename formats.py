@@ -21,6 +21,7 @@ import glob
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import time
@@ -50,14 +51,20 @@ class Overlong(Bad):
 # ---------------------------------------------------------------- files
 
 def parse_blend(spec):
-    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b/*.parquet" -> [(0.7, "a.jsonl"), (0.3, "b/*.parquet")]."""
+    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b/*.parquet" -> [(0.7, "a.jsonl"), (0.3, "b/*.parquet")].
+    Every weight a finite number > 0."""
     out = []
     for item in spec.split(","):
-        m = re.match(r"^\s*([0-9.]+(?:[eE][-+]?\d+)?):(.+)$", item)
-        weight, path = (float(m.group(1)), m.group(2).strip()) if m else (1.0, item.strip())
-        if weight <= 0 or not path:
-            raise SystemExit(f"bad --data entry {item!r}: expected WEIGHT:PATH with WEIGHT > 0")
-        out.append((weight, path))
+        head, colon, tail = item.partition(":")
+        weight, path = (head, tail.strip()) if colon and not os.path.exists(item.strip()) else ("1", item.strip())
+        try:
+            w = float(weight)
+        except ValueError:
+            w = math.nan
+        if not (math.isfinite(w) and w > 0) or not path:
+            raise SystemExit(f"bad data entry {item!r}: weight {weight!r} is not a finite number > 0. Write "
+                             "WEIGHT:PATH, e.g. 0.7:a.jsonl,0.3:b.jsonl")
+        out.append((w, path))
     return out
 
 

@@ -3,6 +3,7 @@
 never break the progress bar a person watching a terminal sees. Metric keys name their units (_s, _gib, per_s).
 """
 import json
+import math
 import os
 import shlex
 import sys
@@ -112,7 +113,7 @@ class Log:
                  f"{rec['step_time_s'] * 1e3:.0f} ms | elapsed {fmt_time(rec['elapsed_s'])} | "
                  f"ETA {fmt_time(rec['eta_s'])}")
         if self.metrics:
-            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.write(json_line(rec))
             self.metrics.flush()
         if self.tb:
             for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
@@ -127,7 +128,7 @@ class Log:
         self.say(f"eval step {step}: loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f} | "
                  f"{result['eval_tokens']} tokens of {result['eval_samples']} samples")
         if self.metrics and self.on:
-            self.metrics.write(json.dumps({"step": step, **result}) + "\n")
+            self.metrics.write(json_line({"step": step, **result}))
             self.metrics.flush()
 
     def close(self, step, save_dir, argv):
@@ -155,3 +156,16 @@ def resume_command(argv, save_dir):
     launcher = "python" if nproc == 1 and nodes == 1 else \
         f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
     return f"{launcher} train.py {shlex.join(keep + ['--load', save_dir])}"
+
+
+def json_line(rec):
+    """A metrics record as one line of valid JSON: non-finite numbers become null."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(rec), allow_nan=False) + "\n"

@@ -493,7 +493,7 @@ def global_grad_norm(par, vision_params=(), lm_params=()):
 def finalize_gradients(par, vision_params, lm_params, n_global, max_norm):
     """The whole post-backward sequence, same WORLD collectives in the same order on every rank (§7.3):
     DP-reduce each module, global norm, then one pass that divides by N_global (from global_token_count at the start
-    of the step) and clips to max_norm, or skip. Returns (norm of the divided gradients, ok).
+    of the step) and clips to max_norm (0: no clipping), or skip. Returns (norm of the divided gradients, ok).
 
     ok is False on EVERY rank when any rank saw inf/nan: grads are then dropped and the caller skips the step.
     """
@@ -504,7 +504,8 @@ def finalize_gradients(par, vision_params, lm_params, n_global, max_norm):
     norm = global_grad_norm(par, vision_params, lm_params) / n   # the norm scales with the gradients
     ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
     if ok:
-        scale_gradients(vision_params + lm_params, min(1.0, max_norm / (norm + 1e-6)) / n)
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        scale_gradients(vision_params + lm_params, clip / n)
     else:
         for p in vision_params + lm_params:
             p.grad = None

@@ -270,10 +270,13 @@ def resize_patchify(img_3HW, th, tw, p):
 
 
 def grid_for(H, W, budget, min_patches, p=16):
-    """Patch grid (th, tw) for an H×W px image under `budget` patches (canonical tiler, spec §10)."""
+    """Patch grid (th, tw) for an H×W px image under `budget` patches (canonical tiler, spec §10): transformers'
+    nemotron_h_omni get_patch_grid_size, except where that one floors a thin image's short side to 0 patches (or
+    divides by 0): here every side is at least 2 patches (the pixel shuffle's minimum), as transformers gives thin
+    images under larger budgets; the grid may then exceed the budget, like transformers' does."""
     ch, cw = round(H / p + 0.5), round(W / p + 0.5)      # Python round (half-to-even), spec §12.4
     f = min(math.sqrt(budget / (ch * cw)), 1.0)          # never upscale here
-    th, tw = math.floor(f * ch), math.floor(f * cw)
+    th, tw = max(math.floor(f * ch), 1), max(math.floor(f * cw), 1)
     if budget > min_patches and th * tw < min_patches:   # upscale small images to the minimum
         u = math.sqrt(min_patches / (th * tw))
         th, tw = math.ceil(u * th), math.ceil(u * tw)

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import torch.distributed as dist
 import checkpoint
 import config
 import data
+import failsafe
 import hf_interop
 import logs
 import mock
@@ -264,7 +264,9 @@ def main(argv=None):
     """Train (or with --eval-only evaluate) -> (one dict per step, or [the eval result]; {"vision"/"language": module
     this rank holds})."""
     args, overrides = parse_args(argv)
+    args.load = failsafe.requeue(args, say=print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None)
     cfg, hf_source = resolve_config(args, overrides)
+    failsafe.check_args(args, cfg)
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
     lay = parallel.plan_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)), args.micro_batch, args.global_batch,
@@ -336,6 +338,8 @@ def setup(args, cfg, lay, hf_source):
         run.opt = optimizer_for(run.modules.values(), args, device)
 
     run.train_data, eval_data = datasets(args, cfg, run.log_rank)
+    if args.skip_bad_samples and args.data != "mock":  # also load-time failures, agreed by all ranks each step
+        run.train_data = failsafe.SkipBad(run.train_data)
     if args.eval_only and eval_data is None:
         eval_data = run.train_data
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
@@ -350,8 +354,8 @@ def setup(args, cfg, lay, hf_source):
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
     if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
-        run.counters = checkpoint_call(
-            checkpoint.load, hf_source or args.load, par, run.modules, run.opt, cfg, run.train_loader,
+        run.counters = failsafe.on_every_rank(  # one rank's error (its rank json) ends every rank
+            checkpoint_call, checkpoint.load, hf_source or args.load, par, run.modules, run.opt, cfg, run.train_loader,
             finetune=args.finetune or hf_source is not None, load_optim=not (args.no_load_optim or args.eval_only),
             load_rng=not args.no_load_rng)
     return run
@@ -392,6 +396,8 @@ def microbatch(run, ds, first, train):
                                            for t in (ids, labels, seq_idx, valid))
         with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
             h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
+            if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
+                h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
             s, _ = run.lm.loss_sum(run.lm(h, seq_idx, valid), labels)
         if train:
             s.backward()
@@ -420,22 +426,33 @@ def reduce_loss(run, loss_sum):
     return loss_sum.item()
 
 
-def train_step(run, step):
-    """One optimizer step (the module docstring) -> its history entry; updates run.counters."""
+def train_step(run, step, stop):
+    """One optimizer step (the module docstring) -> its history entry, or None when a signal (`stop`, every rank
+    agreeing at micro-batch boundaries) abandoned it; updates run.counters."""
     args, lay, lm, c = run.args, run.lay, run.lm, run.counters
     t0 = time.perf_counter()
+    rng = failsafe.rng_state()
     lr = learning_rate(args, c["good_steps"], c["good_steps"] * args.global_batch)  # skipped steps advance neither
     for g in run.opt.param_groups if run.opt is not None else ():
         g["lr"] = lr
     base, n_micro = step * args.global_batch, lay.num_microbatches
     batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
+    if isinstance(run.train_data, failsafe.SkipBad):
+        run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
     n_global = parallel.global_token_count(run.par, lane_tokens(run, batch, base, n_micro))
     if lm is not None:
         moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
     loss_sum = torch.zeros((), device=run.device)
     run.flops = run.real_tokens = 0
-    for k in range(n_micro):
+    for k in range(n_micro):  # signal checks: language ranks before a micro-batch, vision after (failsafe.py)
+        if lm is not None and stop():
+            break
         loss_sum += microbatch(run, batch, base + k * lay.samples_per_microbatch, train=True)
+        if lm is None and stop():
+            break
+    if stop.agreed:
+        failsafe.abandon_step(run.bridge, run.modules, run.train_loader, base, rng)
+        return None
     while run.bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
         run.bridge.backward_encoder()
     vparams = list(run.vision.parameters()) if run.vision is not None else []
@@ -507,37 +524,40 @@ def step_record(run, h, log):
 def train(run):
     """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step)."""
     args, cfg = run.args, run.cfg
+    saver = checkpoint.Saver(args.save, run.par, cfg, run.modules, run.opt, args, run.train_loader) \
+        if args.save else None  # checks --save is writable on every rank
     log = logs.Log(args, run.log_rank, args.steps, run.counters["step"])
     if run.log_rank:
         summaries = [logs.data_summary("train", run.train_data)]
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
         log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers))
-    saver = checkpoint.Saver(args.save, run.par, cfg, run.modules, run.opt, args, run.train_loader) \
-        if args.save else None
-    stop = {"signal": None}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.update(signal=signum))
+    stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
     history = []  # per step, on every rank: what tests and callers of main() inspect
+    bad_steps = 0  # consecutive skipped (non-finite) steps
     for m in run.modules.values():
         m.train()
+    failsafe.nothing_to_train(run.counters, args, say=log.say)
     for step in range(run.counters["step"], args.steps):
-        history.append(train_step(run, step))
-        stop_now = torch.tensor([0 if stop["signal"] is None else 1], device=run.device)
-        dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank stops after the same step
-        stopping = bool(stop_now.item())
+        h = train_step(run, step, stop)
+        if h is None:
+            break
+        history.append(h)
+        bad_steps = 0 if h["ok"] else bad_steps + 1
+        failsafe.check_finite_run(bad_steps, cfg.max_skipped_steps, h["grad_norm"], args.save)
         if step % args.log_every == 0 or step == args.steps - 1:
             log.step(step_record(run, history[-1], log))
         log.bar.update(1)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             log.eval(step + 1, evaluate(run))
-        if saver is not None:  # --save-every, the last step and a stop signal save; also commits an async save
-            saver.after_step(step + 1, dict(run.counters), last=stopping or step + 1 == args.steps)
-        if stopping:
-            log.say(f"stopping after step {step + 1} on signal")
-            break
+        if saver is not None:  # --save-every and the last step; also commits an async save
+            saver.after_step(step + 1, dict(run.counters), last=step + 1 == args.steps)
+    if stop.agreed and saver is not None and history:  # the last completed step (nothing new: nothing to save)
+        saver.save(run.counters["step"], dict(run.counters))
     if saver is not None:
         saver.close()  # waits for an async save in flight
+    if stop.agreed:
+        log.say(failsafe.stop_message(stop.agreed, run.counters["step"], args.save, saved=bool(history)))
     log.close(run.counters["step"], args.save, run.argv)
     return history
 
@@ -575,4 +595,6 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
+    failsafe.guard_streams()
     cli()
+    sys.exit(failsafe.exit_status())

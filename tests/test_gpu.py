@@ -151,3 +151,57 @@ def test_fused_kernels_compiled_match_eager():
     for fn, args in ((fused.sum_routed, (y, unorder, wk)), (fused.spread_to_routed, (gt, order, wk)),
                      (fused.routed_dots, (y, unorder, gt))):
         assert rel_err(fn(*args), fn.__wrapped__(*args)) < 1e-2, fn.__name__
+
+
+def checkpoint_bytes(cfg, stage=2):
+    """Bytes of a training checkpoint of Config cfg: fp32 weights, plus AdamW's two fp32 moments of what trains."""
+    from radio import VisionModel
+    with torch.device("meta"):
+        modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
+    model.set_trainable(modules, stage)
+    return sum(p.numel() * (12 if p.requires_grad else 4) for m in modules.values() for p in m.parameters())
+
+
+@cuda
+def test_signal_save_time_20l(tmp_path):
+    """SIGTERM to a one-GPU training run of the 20l preset with 16 routed experts (the full 128 do not fit one GPU):
+    seconds from the signal to the saved checkpoint and to the exit, its size, and what that gives for the full
+    20l by bytes. Prints one JSON line; README "When things go wrong" quotes it. Long: builds a 3.4B model."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    save = str(tmp_path / "ckpt")
+    argv = ["--preset", "20l", "--n-routed-experts", "16", "--seq-len", "2048", "--mock-image-size", "512",
+            "--global-batch", "2", "--steps", "1000", "--save", save]
+    proc = subprocess.Popen([sys.executable, "train.py"] + argv, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in proc.stdout:   # two steps trained (warm), then the signal during the third
+        lines.append(line)
+        if line.startswith("step 2 "):
+            break
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    saved_s = None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("saved checkpoint"):
+            saved_s = time.perf_counter() - t0
+    rc, exit_s = proc.wait(), time.perf_counter() - t0
+    assert rc == 128 + signal.SIGTERM and saved_s is not None, "".join(lines[-30:])
+    assert "interrupted by SIGTERM: saved step 2 to" in "".join(lines[-5:]), "".join(lines[-30:])
+    step_dir = os.path.join(save, "step_00000002")
+    size = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
+    step_ms = float(next(x for x in lines if x.startswith("step 2 ")).split(" ms |")[0].rsplit("| ", 1)[1])
+    full = checkpoint_bytes(config.resolve("20l"))
+    tensors = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir) if f.endswith("tensors"))
+    assert abs(tensors - checkpoint_bytes(config.resolve("20l", {"n_routed_experts": 16}))) < 0.01 * tensors
+    print(json.dumps({"device": torch.cuda.get_device_name(), "checkpoint_gb": round(size / 1e9, 2),
+                      "signal_to_saved_s": round(saved_s, 1), "signal_to_exit_s": round(exit_s, 1),
+                      "step_ms": step_ms, "write_gb_per_s": round(size / 1e9 / saved_s, 2),
+                      "full_20l_checkpoint_gb": round(full / 1e9, 1),
+                      "full_20l_one_writer_s_estimate": round(full / size * saved_s, 1)}))

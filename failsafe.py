@@ -1,0 +1,240 @@
+"""A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, requeue,
+non-finite steps, checked arguments.
+
+Signals: SIGINT / SIGTERM only set a flag (the first one counts; later ones cannot cut the save short). Every rank calls Stop() at the same micro-batch boundaries (a one-int
+all-reduce on a gloo group, so no GPU sync); once any rank was signalled, all abandon the step in progress
+(abandon_step: the bridge traffic in flight is matched, gradients, expert counts, RNG and data position go back
+to the step's start), save the last completed step synchronously and exit with 128 + signal.
+Pairing of the checks in a hetero step (1F1B, bridge.py): a vision-only rank checks after its micro-batch k (rows
+of k sent, backward of k-1 done), a language rank before its micro-batch k (gradient of k-1 sent), so neither
+waits on a bridge message the other will only send after the check. Stopping there, the language side receives
+the rows of k and returns a zero gradient; the vision side runs the backward of what it has in flight.
+
+User errors raise SystemExit with one line (the repo's convention, see config.py).
+"""
+import os
+import random
+import re
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import data
+import model
+import moe
+from radio import VisionModel
+
+interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
+
+
+# ---------------------------------------------------------------- streams
+
+class _Guarded:
+    """stdout / stderr that survive their reader going away: Ctrl-C on `train.py | tee log` ends tee too, and the
+    next print would raise BrokenPipeError in the middle of the signal save. The descriptor is then pointed at
+    /dev/null, so later writes and the interpreter's final flush succeed (the metrics file keeps the record)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, s):
+        try:
+            return self._stream.write(s)
+        except OSError:
+            self._drop()
+            return len(s)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._drop()
+            self._stream.flush()
+
+    def _drop(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_streams():
+    sys.stdout, sys.stderr = _Guarded(sys.stdout), _Guarded(sys.stderr)
+
+
+# ---------------------------------------------------------------- signals
+
+class Stop:
+    """SIGINT / SIGTERM -> a flag; calling the object is the collective that agrees on it (see the docstring)."""
+
+    def __init__(self, device):
+        self.signum = self.agreed = 0
+        self.group = dist.new_group(backend="gloo") if device.type == "cuda" else None   # CPU: the default is gloo
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def __call__(self):
+        """True on every rank once any rank got a signal (then .agreed is the largest signal number seen)."""
+        global interrupted
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.agreed = int(flag.item())
+        interrupted = self.agreed
+        return bool(self.agreed)
+
+
+def rng_state():
+    """This process's RNG at the start of a step (CUDA: the current device only, without touching the others)."""
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
+def abandon_step(bridge, modules, loader, base, rng):
+    """Undo the step a signal stopped at a micro-batch boundary, so the signal checkpoint is the last completed
+    step and resuming repeats this one exactly."""
+    lay = bridge.lay
+    if "language" in modules and "vision" not in modules and not lay.colocated:
+        with torch.no_grad():   # the rows the vision side sent before its check: received, a zero gradient back
+            bridge.recv()
+            bridge.send_grad()
+    while bridge.in_flight:
+        bridge.backward_encoder()
+    for m in modules.values():
+        for p in m.parameters():
+            p.grad = None
+    if "language" in modules:
+        moe.discard_expert_counts(modules["language"])
+    random.setstate(rng[0])
+    np.random.set_state(rng[1])
+    torch.set_rng_state(rng[2])
+    if rng[3] is not None:
+        torch.cuda.set_rng_state(rng[3])
+    loader.next = base   # Loader.state_dict() reports the step's first sample as the next one
+
+
+def stop_message(signum, step, save, saved):
+    name = signal.Signals(signum).name
+    if save is None:
+        return f"interrupted by {name} after step {step}: no --save, nothing saved"
+    if not saved:
+        return f"interrupted by {name} before a step completed: {save} keeps step {step}"
+    return f"interrupted by {name}: saved step {step} to {save}"
+
+
+def exit_status():
+    return 128 + interrupted if interrupted else 0
+
+
+# ---------------------------------------------------------------- samples that fail at load time
+
+class SkipBad:
+    """--skip-bad-samples for failures indexing could not see (a file changed or damaged since): the sample comes
+    back blank (padding, nothing to train, no image) with .bad = "file:line: reason"; skip_agreed() then blanks it
+    on every rank, because only the ranks that decode pixels may have failed."""
+
+    def __init__(self, ds):
+        self.ds, self.skipped = ds, 0
+
+    def __getattr__(self, name):   # fingerprint, cfg, ... of the wrapped data set
+        if name == "ds":
+            raise AttributeError(name)
+        return getattr(self.ds, name)
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+    def sample(self, i, pixels=True):
+        try:
+            return self.ds.sample(i, pixels)
+        except data.BadSample as e:
+            return self.blank(pixels, str(e))
+
+    def blank(self, pixels, reason=None):
+        cfg, pad = self.ds.cfg, self.ds.enc.sp["<pad>"]   # padding that counts as tokens: no all-masked rows
+        s = data.Sample(torch.full((cfg.seq_len,), pad), torch.full((cfg.seq_len,), -100), [] if pixels else None)
+        s.bad = reason
+        return s
+
+    def skip_agreed(self, batch, pixels, say):
+        """Blank every sample of the step that failed on any rank (a small all_gather), count and report them."""
+        bad = [None] * dist.get_world_size()
+        dist.all_gather_object(bad, {i: s.bad for i, s in batch.items() if getattr(s, "bad", None)})
+        bad = {i: reason for b in bad for i, reason in b.items()}
+        for i in sorted(bad):
+            if i in batch:
+                batch[i] = self.blank(pixels)
+            self.skipped += 1
+            say(f"skipped sample {i} ({bad[i]}); {self.skipped} skipped at load time so far")
+
+
+# ---------------------------------------------------------------- requeue, non-finite steps
+
+def requeue(args, say):
+    """--load equal to --save (a requeue line, the same on every attempt) with nothing saved there yet: None, a
+    fresh start. Otherwise --load as given."""
+    if args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
+            and not os.path.exists(os.path.join(args.load, "latest")):
+        say(f"--load {args.load}: no checkpoint there yet (no `latest`): starting fresh; a later attempt of the "
+            "same command resumes from it")
+        return None
+    return args.load
+
+
+def nothing_to_train(counters, args, say):
+    if args.load and counters["step"] >= args.steps:
+        say(f"nothing to train: --load {args.load} is at step {counters['step']} and --steps is {args.steps} "
+            "(the total of the run, resumed runs too); raise --steps to train further")
+
+
+def check_finite_run(bad_steps, limit, norm, save):
+    """Abort after `limit` consecutive skipped (non-finite) steps: every rank, the same step (norm is agreed)."""
+    if limit and bad_steps >= limit:
+        latest = os.path.join(save, "latest") if save else None
+        kept = f"`latest` stays {open(latest).read().strip()} in {save}" if latest and os.path.exists(latest) \
+            else "no checkpoint was saved"
+        raise SystemExit(f"{bad_steps} consecutive steps had non-finite gradients (grad norm {norm}); stopping, "
+                         f"{kept}. Resume from it with a lower --lr or longer warmup, or raise --max-skipped-steps")
+
+
+# ---------------------------------------------------------------- arguments
+
+def on_every_rank(fn, *args, **kwargs):
+    """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
+    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
+    try:
+        out, error = fn(*args, **kwargs), None
+    except SystemExit as e:
+        out, error = None, str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise SystemExit(first)
+    return out
+
+
+def check_args(args, cfg):
+    """Argument errors found before anything is built, the same on every rank."""
+    if args.clip_grad < 0:
+        raise SystemExit(f"--clip-grad {args.clip_grad}: must be >= 0 (0 turns clipping off)")
+    if cfg.max_skipped_steps < 0:
+        raise SystemExit(f"--max-skipped-steps {cfg.max_skipped_steps}: must be >= 0 (0: never abort)")
+    if args.train_layers is not None:
+        try:
+            regex = re.compile(args.train_layers)
+        except re.error as e:
+            raise SystemExit(f"--train-layers {args.train_layers!r}: not a regular expression ({e})") from None
+        with torch.device("meta"):
+            names = [f"vision.{n}" for n, _ in VisionModel(cfg).named_parameters()] + \
+                [f"language.{n}" for n, _ in model.LanguageModel(cfg).named_parameters()]
+        if not any(regex.search(n) for n in names):
+            raise SystemExit(f"--train-layers {args.train_layers!r} matches no parameter, so nothing would train; "
+                             f"names look like {names[0]} or {names[-1]}")

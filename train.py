@@ -33,6 +33,7 @@ import data
 import hf_interop
 import model
 import moe
+import optim
 import parallel
 from bridge import Bridge
 from radio import VisionModel
@@ -74,6 +75,8 @@ def parse_args(argv=None):
                    help="1: projector only, 2: vision tower frozen, 3: everything")
     p.add_argument("--train-layers", default=None, help="regex over vision.* / language.* names (overrides --stage)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true", help="plain AdamW: fp32 weights, gradients "
+                   "and state replicated over data parallel (default: sharded, bf16 weights on CUDA; optim.py)")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
     for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
         p.add_argument(f"--{name}", type=int, default=None)
@@ -191,16 +194,6 @@ def hf_model(args, overrides, say):
     return source, config.from_values(dataclasses.asdict(source.cfg), overrides)
 
 
-def optimizer_for(modules, args, device):
-    decay, no_decay = [], []
-    for m in modules:
-        for p in m.parameters():
-            if p.requires_grad:  # norms, biases, A_log, D, dt_bias are the 1-D parameters
-                (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
 def main(argv=None):
     args, overrides = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -248,7 +241,7 @@ def main(argv=None):
     model.set_trainable(modules, args.stage, args.train_layers)
     vparams = list(vision.parameters()) if vision is not None else []
     lparams = list(lm.parameters()) if lm is not None else []
-    opt = optimizer_for(modules.values(), args, device) if any(p.requires_grad for p in vparams + lparams) else None
+    opt = optim.build(par, vision, lm, args, device)
     train_data, eval_data = data.build(args, cfg, verbose=log_rank)
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
     workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
@@ -370,7 +363,7 @@ def main(argv=None):
             loss_sum += microbatch(batch, base + k * lay.samples_per_microbatch, train=True)
         while bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
             bridge.backward_encoder()
-        norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad)
+        norm, ok = parallel.finalize_gradients(par, vparams, lparams, n_global, args.clip_grad, opt)
         counts = None
         if ok:
             if opt is not None:

@@ -64,10 +64,14 @@ def _train(rank, world, argv):
     grads = {}
     real = parallel.finalize_gradients
 
-    def spy(par, vparams, lparams, *args, **kwargs):
-        norm, ok = real(par, vparams, lparams, *args, **kwargs)
+    def spy(par, vparams, lparams, n_global, max_norm, opt=None):
+        norm, ok = real(par, vparams, lparams, n_global, max_norm, opt)
         grads.clear()
-        grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
+        if hasattr(opt, "buckets"):   # the distributed optimizer's fp32 shards, all-gathered
+            for b in opt.buckets if ok else ():
+                grads.update({k: g.clone() for k, g in b.split(b.gather(b.main.grad)).items()})
+        else:
+            grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
         return norm, ok
 
     parallel.finalize_gradients = spy      # this forked child only

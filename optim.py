@@ -24,6 +24,9 @@ import comm
 import parallel
 
 BUCKET_BYTES = 64 * 2**20
+# torch 2.13 renamed these two (and warns on the old names), the CUDA image has torch 2.11
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def plain(modules, args, device):
@@ -98,7 +101,7 @@ class Bucket:
         if self.n == 1:
             return shard
         full = torch.empty(self.shard * self.n, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        _all_gather(full, shard.contiguous(), group=self.group)
         return full
 
     def split(self, full):
@@ -149,7 +152,7 @@ class DistributedAdamW:
                 b.main.grad = flat
             else:
                 b.main.grad = torch.empty_like(b.main)
-                dist.reduce_scatter_tensor(b.main.grad, flat, group=b.group)
+                _reduce_scatter(b.main.grad, flat, group=b.group)
             del flat
             for p in b.params:
                 p.grad = p.main_grad = None

@@ -487,7 +487,8 @@ def global_grad_norm(par, vision_params=(), lm_params=(), lists=None):
     counted, copies = lists or grad_lists(par, vision_params, lm_params)
     local = torch.zeros(2, dtype=torch.float64, device=_device())
     if counted or copies:                  # counted first, so the norm is a prefix of one batched norm
-        sq = torch.stack(torch._foreach_norm(counted + copies)).double() ** 2
+        sq = torch.stack(torch._foreach_norm(counted + copies, dtype=torch.float64)) ** 2  # fp64: the same
+        # value however the gradients are cut into pieces (the distributed optimizer's shards)
         local[0] = sq[:len(counted)].sum()
         local[1] = sq.sum()
     dist.all_reduce(local)

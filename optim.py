@@ -1,21 +1,22 @@
 """The optimizer: AdamW, plain or distributed (Megatron's distributed optimizer, written by hand on torch.distributed).
 
 Distributed (the default): every trained parameter belongs to one data-parallel domain, the group over which its
-gradient is summed (vision dp for the tower, language dp-cp for dense weights, edp for routed experts). A domain's
-parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES each); each bucket is cut into
-equal contiguous shards, one per rank of the group. A rank keeps, for its shard only, the fp32 main weights and the
-AdamW moments, so a trained parameter costs 12 / dp bytes of optimizer state instead of 12 (+ the fp32 gradient
-shard during the step). The step:
+gradient is summed (vision dp for the tower, language dp-cp for dense weights, edp for routed experts). In a domain
+of more than one rank the parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES
+each), each cut into equal contiguous shards, one per rank. A rank keeps, for its shard only, the fp32 main weights
+and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
   reduce_scatter_grads  fp32 bucket of gradients -> reduce-scatter (SUM) over the domain -> this rank's shard
   (norm, clip: parallel.finalize_gradients on the shards; each element is counted once per model replica)
   step                  torch AdamW on the shards (elementwise, so the same numbers as unsharded AdamW), then the
-                        updated shards are all-gathered and copied into the model's weights (bf16 or fp32)
+                        updated shards are all-gathered and copied into the model's weights
+On CUDA those weights are bf16 (2 bytes, no autocast cast per micro-batch), and each accumulates its micro-batch
+gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16: 2 + 4 + 12 / dp
+bytes. A domain of one rank (experts at edp 1, say) cannot shard: its parameters stay fp32 and AdamW steps them
+directly, 16 bytes, where bf16 weights plus an fp32 main copy would take 18. Frozen weights are bf16 on CUDA.
 Why by hand, not FSDP2: the tower, dense and expert weights of one module step over three different groups, on two
 different grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that needs.
 Checkpoints keep the per-parameter format (checkpoint.py): gather_state assembles full moments and fp32 main
 weights, load takes this rank's shard of them, so a run resumes into any dp.
-Each parameter accumulates its micro-batch gradients into an fp32 `main_grad` (a hook), as Megatron does, so with
-bf16 weights (CUDA) the sum over micro-batches is not rounded to bf16.
 """
 import torch
 import torch.distributed as dist
@@ -41,13 +42,17 @@ def plain(modules, args, device):
 
 
 def build(par, vision, lm, args, device):
-    """None where nothing trains; plain AdamW with --no-distributed-optimizer; else DistributedAdamW."""
+    """None where nothing trains; plain AdamW with --no-distributed-optimizer; else DistributedAdamW, and on CUDA
+    bf16 weights (frozen ones too: they have no fp32 copy anywhere)."""
     modules = [m for m in (vision, lm) if m is not None]
     if not any(p.requires_grad for m in modules for p in m.parameters()):
         return None
     if args.no_distributed_optimizer:
         return plain(modules, args, device)
-    return DistributedAdamW(domains(par, vision, lm), args, device)
+    opt = DistributedAdamW(domains(par, vision, lm), args, device)
+    if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
+        opt.to_bf16(modules)
+    return opt
 
 
 def domains(par, vision, lm):
@@ -98,8 +103,6 @@ class Bucket:
 
     def gather(self, shard):
         """All ranks' shards of this bucket, concatenated."""
-        if self.n == 1:
-            return shard
         full = torch.empty(self.shard * self.n, dtype=shard.dtype, device=shard.device)
         _all_gather(full, shard.contiguous(), group=self.group)
         return full
@@ -110,11 +113,16 @@ class Bucket:
 
 
 class DistributedAdamW:
-    """AdamW over fp32 shards of each domain's buckets; `param_groups` are its inner AdamW's (train.py sets lr)."""
+    """AdamW over the fp32 shards of the buckets of every domain of more than one rank, and over the parameters
+    themselves (fp32, like plain AdamW) in a domain of one rank, where a shard would be a second full copy.
+    `param_groups` are its inner AdamW's (train.py sets lr on them)."""
 
     def __init__(self, domain_list, args, device):
-        self.buckets = []
+        self.buckets, self.direct = [], []   # direct: (parameter, ModuleGroups)
         for group, groups, params in domain_list:
+            if comm.group_size(group) == 1:
+                self.direct += [(p, groups) for p in params]
+                continue
             for decay in (True, False):
                 bucket, size = [], 0
                 for p in (p for p in params if (p.ndim >= 2) == decay):
@@ -128,8 +136,10 @@ class DistributedAdamW:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(_accumulate_fp32)
-        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": args.weight_decay},
-                  {"params": [b.main for b in self.buckets if not b.decay], "weight_decay": 0.0}]
+        groups = [{"params": [b.main for b in self.buckets if b.decay] + [p for p, _ in self.direct if p.ndim >= 2],
+                   "weight_decay": args.weight_decay},
+                  {"params": [b.main for b in self.buckets if not b.decay] + [p for p, _ in self.direct if p.ndim < 2],
+                   "weight_decay": 0.0}]
         self.inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
     @property
@@ -137,35 +147,45 @@ class DistributedAdamW:
         return self.inner.param_groups
 
     def params(self):
-        return [p for b in self.buckets for p in b.params]
+        return [p for b in self.buckets for p in b.params] + [p for p, _ in self.direct]
+
+    def to_bf16(self, modules):
+        """bf16 weights for the forward and backward (CUDA): every parameter but the direct ones (their fp32
+        weights are their main weights; autocast casts them)."""
+        keep = {id(p) for p, _ in self.direct}
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in keep:
+                    p.data = p.data.to(torch.bfloat16)
 
     def reduce_scatter_grads(self):
         """SUM each bucket's gradients over its group into this rank's fp32 shard (main.grad); frees the
         parameters' gradients. A missing gradient is zeros (see parallel.allreduce_grads).
-        Returns (counted, copies): shard pieces the global norm counts, and the other local gradients."""
+        Returns (counted, copies): the gradient pieces the global norm counts, and the other local ones."""
         counted, copies = [], []
         for b in self.buckets:
             grads = {id(p): _grad(p) for p in b.params}
             flat = b.flat(grads)
             del grads
-            if b.n == 1:
-                b.main.grad = flat
-            else:
-                b.main.grad = torch.empty_like(b.main)
-                _reduce_scatter(b.main.grad, flat, group=b.group)
+            b.main.grad = torch.empty_like(b.main)
+            _reduce_scatter(b.main.grad, flat, group=b.group)
             del flat
             for p in b.params:
                 p.grad = p.main_grad = None
             for p, a, e, s in b.segments():
                 piece = b.main.grad[s:s + e - a]
                 (counted if parallel.counted_in_replica(p, b.groups) else copies).append(piece)
+        for p, groups in self.direct:
+            p.grad = _grad(p)
+            (counted if parallel.counted_in_replica(p, groups) else copies).append(p.grad)
         return counted, copies
 
     def shard_grads(self):
-        return [b.main.grad for b in self.buckets if b.main.grad is not None]
+        return [b.main.grad for b in self.buckets if b.main.grad is not None] + \
+            [p.grad for p, _ in self.direct if p.grad is not None]
 
     def step(self):
-        """AdamW on the shards, then every rank's updated shard into the model's weights."""
+        """AdamW on the shards (and direct parameters), then every rank's updated shard into the model's weights."""
         self.inner.step()
         with torch.no_grad():
             for b in self.buckets:
@@ -177,6 +197,8 @@ class DistributedAdamW:
             b.main.grad = None
             for p in b.params:
                 p.grad = p.main_grad = None
+        for p, _ in self.direct:
+            p.grad = None
 
     def gather_state(self):
         """{id(param): {"main", "exp_avg", "exp_avg_sq": full fp32 (this rank's tp / ep slice) on the CPU, "step"}}.
@@ -189,25 +211,32 @@ class DistributedAdamW:
                 shard = b.main.detach() if key == "main" else st.get(key, torch.zeros_like(b.main))
                 for p, t in zip(b.params, b.split(b.gather(shard)).values()):
                     out.setdefault(id(p), {"step": step.clone()})[key] = t.to("cpu", copy=True)
+        for p, _ in self.direct:
+            st = self.inner.state.get(p, {})
+            out[id(p)] = {"step": st["step"].float().cpu() if "step" in st else torch.tensor(0.0),
+                          "main": p.detach().to("cpu", copy=True),
+                          **{k: st[k].to("cpu", copy=True) if k in st else torch.zeros(p.shape)
+                             for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
     def load(self, mains, states=None):
         """fp32 main weights {id(param): full tensor} (and, unless None, AdamW states alike) into this rank's
-        shards. Parameters missing from `mains` keep their main weights, missing from `states` start fresh."""
+        shards. Parameters missing from `mains` keep their main weights, missing from `states` start fresh.
+        (Direct parameters hold their main weights themselves: checkpoint.load has copied them.)"""
+        by_main = {id(b.main): b for b in self.buckets}
         sd = self.inner.state_dict()
         sd["state"] = {}
-        for i, b in enumerate(b for g in self.inner.param_groups for b in self._by_main(g["params"])):
-            if all(id(p) in mains for p in b.params):
-                b.main.data.copy_(b.local({id(p): mains[id(p)].float() for p in b.params}))
-            if states is not None and all(id(p) in states for p in b.params):
-                sd["state"][i] = {"step": states[id(b.params[0])]["step"],
-                                  **{k: b.local({id(p): states[id(p)][k] for p in b.params})
+        for i, t in enumerate(t for g in self.inner.param_groups for t in g["params"]):
+            b = by_main.get(id(t))
+            params = b.params if b is not None else [t]
+            if b is not None and all(id(p) in mains for p in params):
+                b.main.data.copy_(b.local({id(p): mains[id(p)].float() for p in params}))
+            if states is not None and all(id(p) in states for p in params):
+                local = b.local if b is not None else (lambda x: x[id(t)])
+                sd["state"][i] = {"step": states[id(params[0])]["step"],
+                                  **{k: local({id(p): states[id(p)][k] for p in params})
                                      for k in ("exp_avg", "exp_avg_sq")}}
         self.inner.load_state_dict(sd)
-
-    def _by_main(self, mains):
-        by_id = {id(b.main): b for b in self.buckets}
-        return [by_id[id(m)] for m in mains]
 
 
 def _grad(p):

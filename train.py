@@ -31,6 +31,7 @@ import checkpoint
 import config
 import data
 import hf_interop
+import memory
 import model
 import moe
 import optim
@@ -87,7 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--tensorboard", default=None)
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-iters", type=int, default=2, help="global micro-batches per evaluation")
-    p.add_argument("--dry-run", action="store_true", help="build on the meta device, print sizes and memory, exit")
+    p.add_argument("--dry-run", action="store_true", help="print sizes and the memory plan per rank (memory.py), exit")
+    p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for N ranks (default WORLD_SIZE)")
     p.add_argument("--save", default=None, help="save directory: DIR/step_N/ + DIR/latest (see checkpoint.py)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
     p.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
@@ -144,38 +146,6 @@ def learning_rate(args, it, samples):
     return args.min_lr + (args.lr - args.min_lr) * (1 - drop)
 
 
-def memory_estimate(cfg, lay, stage):
-    """Bytes per rank of fp32 weights + gradients + AdamW state (16 B per trained parameter, 4 B per frozen)."""
-    with torch.device("meta"):
-        vision, lm = VisionModel(cfg), model.LanguageModel(cfg)
-    model.set_trainable({"vision": vision, "language": lm}, stage)
-    def per_rank(module, tp, ep_etp):
-        total = 0
-        for name, p in module.named_parameters():
-            kinds = parallel.shard_kinds(p)
-            share = ep_etp if "ep" in kinds else (tp if "tp" in kinds else 1)
-            total += p.numel() / share * (16 if p.requires_grad else 4)
-        return total
-    v = per_rank(vision, lay.vision_tp, 1)
-    lang = per_rank(lm, lay.lm_tp, lay.lm_ep * lay.lm_etp)
-    return {"vision_rank_bytes": v + (lang if lay.colocated else 0), "lm_rank_bytes": lang + (v if lay.colocated else 0)}
-
-
-def check_fits(cfg, lay, stage, device):
-    need = max(memory_estimate(cfg, lay, stage).values())
-    if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    if need > 0.9 * have:
-        gib = 2 ** 30
-        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {need / gib:.1f} GiB per rank for "
-                         f"weights, gradients and AdamW state, a rank here has {have / gib:.1f} GiB. Use more "
-                         f"ranks (--lm-tp / --lm-ep / --vision-tp), a smaller preset (tiny, small), or see "
-                         f"`--dry-run` for the per-rank estimate of a layout.")
-
-
 def hf_model(args, overrides, say):
     """--load HF_DIR: (the directory as a checkpoint source, the Config from its config.json plus --preset for the
     fields HF does not carry). The model's shape is the directory's: shape overrides are refused. Its tokenizer is
@@ -197,6 +167,8 @@ def hf_model(args, overrides, say):
 def main(argv=None):
     args, overrides = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if args.dry_run and args.world_size:
+        world = args.world_size
     hf_source = None
     if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
         hf_source, cfg = hf_model(args, overrides, say=print if rank == 0 else lambda msg: None)
@@ -208,10 +180,10 @@ def main(argv=None):
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
     lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
     if args.dry_run:
-        return dry_run(cfg, lay, args)
+        return memory.dry_run(cfg, lay, args)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
         torch.device("cpu")
-    check_fits(cfg, lay, args.stage, device)
+    memory.check_fits(cfg, lay, args, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own_group = not dist.is_initialized()  # tests call main() inside an existing gloo group
@@ -462,18 +434,6 @@ def format_line(r):
             f"{r['tokens_per_s_per_gpu_all']:.0f} (all) | TFLOP/s/gpu {na(r['tflops_per_gpu'], '.1f')} | "
             f"MFU {na(r['mfu'], '.1%')} | {r['step_time_s'] * 1e3:.0f} ms | peak mem GiB per rank "
             f"{r['peak_mem_gib_per_rank']}")
-
-
-def dry_run(cfg, lay, args):
-    total_lm, active_lm = model.count_language_params(cfg)
-    with torch.device("meta"):
-        n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
-    print("config:", json.dumps(vars(cfg)))
-    print(lay.describe())
-    mem = {k: round(v / 2 ** 30, 2) for k, v in memory_estimate(cfg, lay, args.stage).items()}
-    print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
-                      "params_vision": n_vision, "params_language": total_lm,
-                      "memory_gib_per_rank": mem, "layout": lay.describe()}))
 
 
 if __name__ == "__main__":

@@ -353,7 +353,8 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     absent = [m for m in modules if not any(n.startswith(m + ".") for n in r.tensors)]
     if absent and not finetune:
         raise ValueError(f"{r.dir}: holds no {absent} tensors (--finetune starts such a module from its init)")
-    entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent]
+    entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent
+               and (e[0] in r.tensors or "lora_" not in e[0])]   # LoRA on a base checkpoint: adapters start fresh
     extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - {e[0] for e in entries})
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
@@ -406,9 +407,9 @@ def _optimizer_states(r, params, entries):
     by_id = {id(t): (name, coords, sizes) for name, t, _, coords, sizes in entries}
     states, fresh = {}, []
     for p in params:
-        name, coords, sizes = by_id[id(p)]
-        if not r.tensors[name]["optim"]:
-            fresh.append(name)
+        name, coords, sizes = by_id.get(id(p), (None, None, None))
+        if name is None or not r.tensors[name]["optim"]:
+            fresh.append(name or "a new LoRA adapter")
             continue
         where = dict(kind="optim", shards=getattr(p, "shards", ()), coords=coords, sizes=sizes)
         states[id(p)] = {"step": r.read(name, ".step", "optim"), "exp_avg": r.read(name, ".exp_avg", **where),

@@ -7,6 +7,7 @@ Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA
   distributed optimizer, d = 1   weights 4         gradient 4                   optimizer 8 (nothing to shard)
   --no-distributed-optimizer     weights 4         gradient 4                   optimizer 8
 d: the parameter's data-parallel group (vision dp, language dp, edp). Frozen: 2 (bf16; 4 with the plain optimizer).
+With --lora-rank the base is frozen and the adapters (lora.py) are the trained parameters.
 CPU runs keep fp32 weights.
 Activations: what autograd keeps for backward, counted per layer from the code (model.py, mamba.py, moe.py,
 radio.py), in bf16 with T = micro_batch x seq_len tokens per language lane; with --activation-checkpointing only each
@@ -19,6 +20,7 @@ import os
 
 import torch
 
+import lora
 import model
 import parallel
 from radio import VisionModel
@@ -26,11 +28,13 @@ from radio import VisionModel
 GIB = 2 ** 30
 
 
-def parameter_bytes(cfg, lay, stage, train_layers=None, distributed=True, cuda=True):
+def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
     """{"vision" | "language": {"weights", "gradients", "optimizer"}} bytes of one rank of that module."""
     with torch.device("meta"):
         modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
-    model.set_trainable(modules, stage, train_layers)
+    model.set_trainable(modules, args.stage, args.train_layers)
+    if getattr(args, "lora_rank", 0):
+        lora.apply(modules, args)
     bf16 = distributed and cuda
     out = {}
     for kind, module in modules.items():
@@ -97,7 +101,7 @@ def plan(cfg, lay, args, cuda=True):
     """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
     both modules on every rank, both kinds the same."""
     distributed = not args.no_distributed_optimizer
-    params = parameter_bytes(cfg, lay, args.stage, args.train_layers, distributed, cuda)
+    params = parameter_bytes(cfg, lay, args, distributed, cuda)
     act = {"vision": vision_activation_bytes(cfg, lay, args.stage, args.train_layers),
            "language": language_activation_bytes(cfg, lay, args.micro_batch, args.activation_checkpointing)}
     rows = {k: {**params[k], "activations": act[k]} for k in params}

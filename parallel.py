@@ -507,6 +507,12 @@ def finalize_gradients(par, vision_params, lm_params, n_global, max_norm, opt=No
     sharded = hasattr(opt, "reduce_scatter_grads")
     vision_params = list(vision_params) if par.vision is not None else []
     lm_params = list(lm_params) if par.lm is not None else []
+    for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
+        for p in params:   # LoRA adapters whose gradient is a partial sum per tp rank (lora.py)
+            if getattr(p, "tp_partial", False) and p.requires_grad and m.tp_size > 1:
+                if p.grad is None and getattr(p, "main_grad", None) is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad if getattr(p, "main_grad", None) is None else p.main_grad, group=m.tp)
     if sharded:
         lists = opt.reduce_scatter_grads()
         grads = opt.shard_grads()

@@ -31,6 +31,7 @@ import checkpoint
 import config
 import data
 import hf_interop
+import lora
 import memory
 import model
 import moe
@@ -78,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-distributed-optimizer", action="store_true", help="plain AdamW: fp32 weights, gradients "
                    "and state replicated over data parallel (default: sharded, bf16 weights on CUDA; optim.py)")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (lora.py)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale = alpha / rank")
+    p.add_argument("--lora-targets", default=None, help="regex over full layer names (default: lora.TARGETS)")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
     for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
         p.add_argument(f"--{name}", type=int, default=None)
@@ -211,6 +215,8 @@ def main(argv=None):
         lm.checkpoint_layers = args.activation_checkpointing
     modules = {k: m for k, m in (("vision", vision), ("language", lm)) if m is not None}
     model.set_trainable(modules, args.stage, args.train_layers)
+    if args.lora_rank:   # adapters only: everything else frozen
+        lora.apply(modules, args, par, args.seed + 40000)
     vparams = list(vision.parameters()) if vision is not None else []
     lparams = list(lm.parameters()) if lm is not None else []
     opt = optim.build(par, vision, lm, args, device)

@@ -3,9 +3,9 @@ for the vision and the language rank kinds of a layout (`train.py --dry-run [--w
 train.py runs before building anything.
 
 Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA, in bytes (optim.py):
-  distributed optimizer, d > 1   weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (main + moments)
-  distributed optimizer, d = 1   weights 4         gradient 4                   optimizer 8 (nothing to shard)
-  --no-distributed-optimizer     weights 4         gradient 4                   optimizer 8
+  distributed optimizer        weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (fp32 main + moments)
+  --no-distributed-optimizer   weights 4         gradient 4                   optimizer 8, and 2 more while a
+                               micro-batch runs: the bf16 copy autocast makes of the weight and keeps for backward
 d: the parameter's data-parallel group (vision dp, language dp, edp). Frozen: 2 (bf16; 4 with the plain optimizer).
 With --lora-rank the base is frozen and the adapters (lora.py) are the trained parameters.
 CPU runs keep fp32 weights.
@@ -39,18 +39,18 @@ def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
     out = {}
     for kind, module in modules.items():
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
-        b = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+        b = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0}
         for p in module.parameters():
             kinds = parallel.shard_kinds(p)
             expert = "ep" in kinds
             n = p.numel() / (lay.lm_ep * (lay.lm_etp if "etp" in kinds else 1) if expert else
                              tp if "tp" in kinds else 1)
-            d = lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
-            sharded = distributed and d > 1
-            b["weights"] += n * (2 if bf16 and (sharded or not p.requires_grad) else 4)
+            b["weights"] += n * (2 if bf16 else 4)
             if p.requires_grad:
+                d = lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
                 b["gradients"] += n * 4
-                b["optimizer"] += n * (12 / d if sharded else 8)
+                b["optimizer"] += n * (12 / d if distributed else 8)
+                b["casts"] += n * 2 if cuda and not bf16 else 0
         out[kind] = b
     return out
 
@@ -104,7 +104,8 @@ def plan(cfg, lay, args, cuda=True):
     params = parameter_bytes(cfg, lay, args, distributed, cuda)
     act = {"vision": vision_activation_bytes(cfg, lay, args.stage, args.train_layers),
            "language": language_activation_bytes(cfg, lay, args.micro_batch, args.activation_checkpointing)}
-    rows = {k: {**params[k], "activations": act[k]} for k in params}
+    rows = {k: {"weights": params[k]["weights"], "gradients": params[k]["gradients"],
+                "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"]} for k in params}
     if lay.colocated:
         both = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
         rows = {"vision": both, "language": dict(both)}

@@ -9,10 +9,11 @@ and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
   (norm, clip: parallel.finalize_gradients on the shards; each element is counted once per model replica)
   step                  torch AdamW on the shards (elementwise, so the same numbers as unsharded AdamW), then the
                         updated shards are all-gathered and copied into the model's weights
-On CUDA those weights are bf16 (2 bytes, no autocast cast per micro-batch), and each accumulates its micro-batch
-gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16: 2 + 4 + 12 / dp
-bytes. A domain of one rank (experts at edp 1, say) cannot shard: its parameters stay fp32 and AdamW steps them
-directly, 16 bytes, where bf16 weights plus an fp32 main copy would take 18. Frozen weights are bf16 on CUDA.
+On CUDA those weights are bf16 (2 bytes, and no autocast cast per micro-batch), and each accumulates its
+micro-batch gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16:
+2 + 4 + 12 / dp bytes. A domain of one rank (experts at edp 1) has one shard, the whole bucket: 18 bytes, as
+plain AdamW's 16 plus the bf16 copy autocast keeps of every trained fp32 weight for the backward. Frozen weights
+are bf16 on CUDA. (CPU keeps fp32 weights: the main weights are then an exact copy.)
 Why by hand, not FSDP2: the tower, dense and expert weights of one module step over three different groups, on two
 different grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that needs.
 Checkpoints keep the per-parameter format (checkpoint.py): gather_state assembles full moments and fp32 main
@@ -51,7 +52,9 @@ def build(par, vision, lm, args, device):
         return plain(modules, args, device)
     opt = DistributedAdamW(domains(par, vision, lm), args, device)
     if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
-        opt.to_bf16(modules)
+        for m in modules:
+            for p in m.parameters():
+                p.data = p.data.to(torch.bfloat16)
     return opt
 
 
@@ -103,6 +106,8 @@ class Bucket:
 
     def gather(self, shard):
         """All ranks' shards of this bucket, concatenated."""
+        if self.n == 1:
+            return shard
         full = torch.empty(self.shard * self.n, dtype=shard.dtype, device=shard.device)
         _all_gather(full, shard.contiguous(), group=self.group)
         return full
@@ -113,16 +118,12 @@ class Bucket:
 
 
 class DistributedAdamW:
-    """AdamW over the fp32 shards of the buckets of every domain of more than one rank, and over the parameters
-    themselves (fp32, like plain AdamW) in a domain of one rank, where a shard would be a second full copy.
-    `param_groups` are its inner AdamW's (train.py sets lr on them)."""
+    """AdamW over the fp32 shards of the buckets of every domain; `param_groups` are its inner AdamW's (train.py
+    sets lr on them)."""
 
     def __init__(self, domain_list, args, device):
-        self.buckets, self.direct = [], []   # direct: (parameter, ModuleGroups)
+        self.buckets = []
         for group, groups, params in domain_list:
-            if comm.group_size(group) == 1:
-                self.direct += [(p, groups) for p in params]
-                continue
             for decay in (True, False):
                 bucket, size = [], 0
                 for p in (p for p in params if (p.ndim >= 2) == decay):
@@ -136,10 +137,8 @@ class DistributedAdamW:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(_accumulate_fp32)
-        groups = [{"params": [b.main for b in self.buckets if b.decay] + [p for p, _ in self.direct if p.ndim >= 2],
-                   "weight_decay": args.weight_decay},
-                  {"params": [b.main for b in self.buckets if not b.decay] + [p for p, _ in self.direct if p.ndim < 2],
-                   "weight_decay": 0.0}]
+        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": args.weight_decay},
+                  {"params": [b.main for b in self.buckets if not b.decay], "weight_decay": 0.0}]
         self.inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
     @property
@@ -147,16 +146,7 @@ class DistributedAdamW:
         return self.inner.param_groups
 
     def params(self):
-        return [p for b in self.buckets for p in b.params] + [p for p, _ in self.direct]
-
-    def to_bf16(self, modules):
-        """bf16 weights for the forward and backward (CUDA): every parameter but the direct ones (their fp32
-        weights are their main weights; autocast casts them)."""
-        keep = {id(p) for p, _ in self.direct}
-        for m in modules:
-            for p in m.parameters():
-                if id(p) not in keep:
-                    p.data = p.data.to(torch.bfloat16)
+        return [p for b in self.buckets for p in b.params]
 
     def reduce_scatter_grads(self):
         """SUM each bucket's gradients over its group into this rank's fp32 shard (main.grad); frees the
@@ -167,25 +157,24 @@ class DistributedAdamW:
             grads = {id(p): _grad(p) for p in b.params}
             flat = b.flat(grads)
             del grads
-            b.main.grad = torch.empty_like(b.main)
-            _reduce_scatter(b.main.grad, flat, group=b.group)
+            if b.n == 1:
+                b.main.grad = flat
+            else:
+                b.main.grad = torch.empty_like(b.main)
+                _reduce_scatter(b.main.grad, flat, group=b.group)
             del flat
             for p in b.params:
                 p.grad = p.main_grad = None
             for p, a, e, s in b.segments():
                 piece = b.main.grad[s:s + e - a]
                 (counted if parallel.counted_in_replica(p, b.groups) else copies).append(piece)
-        for p, groups in self.direct:
-            p.grad = _grad(p)
-            (counted if parallel.counted_in_replica(p, groups) else copies).append(p.grad)
         return counted, copies
 
     def shard_grads(self):
-        return [b.main.grad for b in self.buckets if b.main.grad is not None] + \
-            [p.grad for p, _ in self.direct if p.grad is not None]
+        return [b.main.grad for b in self.buckets if b.main.grad is not None]
 
     def step(self):
-        """AdamW on the shards (and direct parameters), then every rank's updated shard into the model's weights."""
+        """AdamW on the shards, then every rank's updated shard into the model's weights."""
         self.inner.step()
         with torch.no_grad():
             for b in self.buckets:
@@ -197,8 +186,6 @@ class DistributedAdamW:
             b.main.grad = None
             for p in b.params:
                 p.grad = p.main_grad = None
-        for p, _ in self.direct:
-            p.grad = None
 
     def gather_state(self):
         """{id(param): {"main", "exp_avg", "exp_avg_sq": full fp32 (this rank's tp / ep slice) on the CPU, "step"}}.
@@ -211,30 +198,20 @@ class DistributedAdamW:
                 shard = b.main.detach() if key == "main" else st.get(key, torch.zeros_like(b.main))
                 for p, t in zip(b.params, b.split(b.gather(shard)).values()):
                     out.setdefault(id(p), {"step": step.clone()})[key] = t.to("cpu", copy=True)
-        for p, _ in self.direct:
-            st = self.inner.state.get(p, {})
-            out[id(p)] = {"step": st["step"].float().cpu() if "step" in st else torch.tensor(0.0),
-                          "main": p.detach().to("cpu", copy=True),
-                          **{k: st[k].to("cpu", copy=True) if k in st else torch.zeros(p.shape)
-                             for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
     def load(self, mains, states=None):
         """fp32 main weights {id(param): full tensor} (and, unless None, AdamW states alike) into this rank's
-        shards. Parameters missing from `mains` keep their main weights, missing from `states` start fresh.
-        (Direct parameters hold their main weights themselves: checkpoint.load has copied them.)"""
+        shards. Parameters missing from `mains` keep their main weights, missing from `states` start fresh."""
         by_main = {id(b.main): b for b in self.buckets}
         sd = self.inner.state_dict()
         sd["state"] = {}
-        for i, t in enumerate(t for g in self.inner.param_groups for t in g["params"]):
-            b = by_main.get(id(t))
-            params = b.params if b is not None else [t]
-            if b is not None and all(id(p) in mains for p in params):
-                b.main.data.copy_(b.local({id(p): mains[id(p)].float() for p in params}))
-            if states is not None and all(id(p) in states for p in params):
-                local = b.local if b is not None else (lambda x: x[id(t)])
-                sd["state"][i] = {"step": states[id(params[0])]["step"],
-                                  **{k: local({id(p): states[id(p)][k] for p in params})
+        for i, b in enumerate(by_main[id(t)] for g in self.inner.param_groups for t in g["params"]):
+            if all(id(p) in mains for p in b.params):
+                b.main.data.copy_(b.local({id(p): mains[id(p)].float() for p in b.params}))
+            if states is not None and all(id(p) in states for p in b.params):
+                sd["state"][i] = {"step": states[id(b.params[0])]["step"],
+                                  **{k: b.local({id(p): states[id(p)][k] for p in b.params})
                                      for k in ("exp_avg", "exp_avg_sq")}}
         self.inner.load_state_dict(sd)
 

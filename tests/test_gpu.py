@@ -171,13 +171,13 @@ def _torchrun(gpus, argv, tmp_path, name):
 
 @cuda
 def test_bf16_weights_and_cuda_resume_bit_exact(tmp_path):
-    """One GPU, stage 3 (dp 1, so every trained parameter is stepped directly in fp32), stage 2 (the frozen tower
-    is bf16); a resumed run follows the straight run (to 1e-3: some CUDA kernels accumulate with atomics, so two
+    """One GPU: bf16 weights (trained ones from their fp32 main weights, the frozen tower with no other copy); a
+    resumed run follows the straight run (to 1e-3: some CUDA kernels accumulate with atomics, so two
     runs of the same step need not agree to the bit; the CPU tests check bit-exact resume)."""
     import train
     history, modules = train.main(SMALL + ["--steps", "1"])
     assert modules["vision"].blocks[0].attn.qkv.weight.dtype == torch.bfloat16          # frozen: bf16, no copy
-    assert modules["language"].lm_head.weight.dtype == torch.float32                    # dp 1: fp32, no copy
+    assert modules["language"].lm_head.weight.dtype == torch.bfloat16
     save = str(tmp_path / "ckpt")
     straight = _torchrun(1, SMALL + ["--stage", "3", "--steps", "4"], tmp_path, "straight")
     first = _torchrun(1, SMALL + ["--stage", "3", "--steps", "2", "--save", save], tmp_path, "first")

@@ -36,11 +36,10 @@ def test_language_rank_by_hand():
     experts = 8 // 2 * 2 * 32 * 64               # this rank's 4 experts, up and down
     assert dense == 86720 and experts == 16384
     lang = rows["language"]
-    # dense: dp 2 shards -> bf16 weight 2 + fp32 main_grad 4 + (main, exp_avg, exp_avg_sq) 12 / 2;
-    # experts: edp 1, nothing to shard -> fp32 weight 4 + gradient 4 + AdamW moments 8
-    assert lang["weights"] == 2 * dense + 4 * experts == 238976
+    # bf16 weight 2 + fp32 main_grad 4 + (main, exp_avg, exp_avg_sq) 12 / d: dense d = dp 2, experts d = edp 1
+    assert lang["weights"] == 2 * (dense + experts) == 206208
     assert lang["gradients"] == 4 * (dense + experts) == 412416
-    assert lang["optimizer"] == 6 * dense + 8 * experts == 651392
+    assert lang["optimizer"] == 6 * dense + 12 * experts == 716928
     T, D = 96, 64
     block = 2 * T * D + 4 * T                                           # residual into the norm, rstd
     attn = 2 * T * D + 2 * T * (4 + 2 * 2) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4
@@ -50,7 +49,7 @@ def test_language_rank_by_hand():
     head = 2 * 2 * T * D + logits + 8 * T
     assert (block + attn, block + moe) == (75648, 178560)
     assert lang["activations"] == (block + attn) + (block + moe) + head + logits == 476160
-    assert lang["peak"] == 238976 + 412416 + 651392 + 476160
+    assert lang["peak"] == 206208 + 412416 + 716928 + 476160
     checkpointed, _ = plan(["--activation-checkpointing"])
     assert checkpointed["language"]["activations"] == 2 * 2 * T * D + (block + moe) + head + logits
 
@@ -61,9 +60,10 @@ def test_vision_rank_and_plain_optimizer():
         n = sum(p.numel() for p in VisionModel(config.resolve("tiny")).parameters())
     vision = rows["vision"]                      # stage 3, vision tp1 dp2: every parameter trains, sharded over 2
     assert (vision["weights"], vision["gradients"], vision["optimizer"]) == (2 * n, 4 * n, 6 * n)
-    plain, _ = plan(["--no-distributed-optimizer"])
+    plain, _ = plan(["--no-distributed-optimizer"])   # fp32 weights, + autocast's bf16 copies kept for backward
     assert (plain["vision"]["weights"], plain["vision"]["optimizer"]) == (4 * n, 8 * n)
     assert plain["language"]["optimizer"] == 8 * (86720 + 16384)
+    assert plain["language"]["activations"] == rows["language"]["activations"] + 2 * (86720 + 16384)
     frozen, _ = plan(["--stage", "1"])           # only the projector trains; the tower is bf16 and nothing else
     proj = sum(p.numel() for k, p in VisionModel(config.resolve("tiny"), None).named_parameters() if "mlp1" in k)
     assert frozen["vision"]["weights"] == 2 * n and frozen["vision"]["gradients"] == 4 * proj

@@ -71,7 +71,6 @@ def _train(rank, world, argv):
         if hasattr(opt, "buckets"):   # the distributed optimizer's fp32 shards, all-gathered
             for b in opt.buckets if ok else ():
                 grads.update({k: g.clone() for k, g in b.split(b.gather(b.main.grad)).items()})
-            grads.update({id(p): p.grad.clone() for p, _ in opt.direct if p.grad is not None})
         else:
             grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
         return norm, ok

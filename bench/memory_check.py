@@ -29,8 +29,12 @@ CONFIGS = {   # name: (GPUs, train.py arguments)
     "20l-16experts-1gpu-ac": (1, E16 + ["--global-batch", "2", "--activation-checkpointing"]),
     "20l-16experts-1gpu-plain": (1, E16 + ["--global-batch", "2", "--no-distributed-optimizer"]),
     "20l-16experts-1gpu-stage3": (1, E16 + ["--global-batch", "2", "--stage", "3", "--activation-checkpointing"]),
+    "nano-lora8-1gpu-ac": (1, ["--preset", "nano", "--lora-rank", "8", "--activation-checkpointing",
+                               "--global-batch", "2"]),
     "20l-colocated-ep2-dp2": (2, ["--preset", "20l", "--colocated", "--lm-ep", "2", "--lm-dp", "2",
                                   "--global-batch", "4"]),
+    "20l-colocated-ep2-dp2-plain": (2, ["--preset", "20l", "--colocated", "--lm-ep", "2", "--lm-dp", "2",
+                                        "--global-batch", "4", "--no-distributed-optimizer"]),
     "20l-16experts-dp2": (2, E16 + ["--colocated", "--lm-dp", "2", "--global-batch", "4"]),
     "20l-16experts-hetero-v1-l1": (2, E16 + ["--vision-dp", "1", "--lm-dp", "1", "--global-batch", "2"]),
 }

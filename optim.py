@@ -1,9 +1,9 @@
 """The optimizer: AdamW, plain or distributed (Megatron's distributed optimizer, written by hand on torch.distributed).
 
 Distributed (the default): every trained parameter belongs to one data-parallel domain, the group over which its
-gradient is summed (vision dp for the tower, language dp-cp for dense weights, edp for routed experts). In a domain
-of more than one rank the parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES
-each), each cut into equal contiguous shards, one per rank. A rank keeps, for its shard only, the fp32 main weights
+gradient is summed (vision dp for the tower, language dp-cp for dense weights, edp for routed experts). A domain's
+parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES each), each cut into equal
+contiguous shards, one per rank of the domain. A rank keeps, for its shard only, the fp32 main weights
 and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
   reduce_scatter_grads  fp32 bucket of gradients -> reduce-scatter (SUM) over the domain -> this rank's shard
   (norm, clip: parallel.finalize_gradients on the shards; each element is counted once per model replica)
@@ -46,11 +46,10 @@ def build(par, vision, lm, args, device):
     """None where nothing trains; plain AdamW with --no-distributed-optimizer; else DistributedAdamW, and on CUDA
     bf16 weights (frozen ones too: they have no fp32 copy anywhere)."""
     modules = [m for m in (vision, lm) if m is not None]
-    if not any(p.requires_grad for m in modules for p in m.parameters()):
-        return None
+    trains = any(p.requires_grad for m in modules for p in m.parameters())
     if args.no_distributed_optimizer:
-        return plain(modules, args, device)
-    opt = DistributedAdamW(domains(par, vision, lm), args, device)
+        return plain(modules, args, device) if trains else None
+    opt = DistributedAdamW(domains(par, vision, lm), args, device) if trains else None
     if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
         for m in modules:
             for p in m.parameters():

@@ -119,7 +119,11 @@ def _read_latest(root):
 
 def _snapshot(par, modules, opt, copy):
     """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async)."""
-    trained = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
+    # the distributed optimizer's state is sharded over dp: gathered (collective), with its fp32 main weights,
+    # which are then saved as the trained weights (the model's may be their bf16 rounding)
+    states = opt.gather_state() if hasattr(opt, "gather_state") else None
+    params = opt.params() if states is not None else [p for g in opt.param_groups for p in g["params"]] if opt else []
+    trained = {id(p) for p in params}
     cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
     files, specs = {}, {}
     for name, t, groups, coords, sizes in _entries(par, modules):
@@ -127,12 +131,14 @@ def _snapshot(par, modules, opt, copy):
             continue
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        specs[name] = {"shape": shape, "dtype": dtype_name(t), "shards": shards, "optim": id(t) in trained}
-        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(t)
+        w = states[id(t)]["main"] if states is not None and id(t) in trained else t
+        specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
+        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(w)
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
-            st, out = opt.state.get(t, {}), files.setdefault(_shard_file("optim", name, shards, coords), {})
+            st = states[id(t)] if states is not None else opt.state.get(t, {})
+            out = files.setdefault(_shard_file("optim", name, shards, coords), {})
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = cpu(st[key]) if key in st else torch.zeros(t.shape, dtype=t.dtype)
+                out[f"{name}.{key}"] = cpu(st[key]) if key in st else torch.zeros(t.shape, dtype=w.dtype)
             out[f"{name}.step"] = cpu(st["step"]).float() if "step" in st else torch.tensor(0.0)
     return files, specs
 
@@ -380,19 +386,36 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     absent = [m for m in modules if not any(n.startswith(m + ".") for n in r.tensors)]
     if absent and not finetune:
         raise ValueError(f"{r.dir}: holds no {absent} tensors (--finetune starts such a module from its init)")
-    entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent]
+    entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent
+               and (e[0] in r.tensors or "lora_" not in e[0])]   # LoRA on a base checkpoint: adapters start fresh
     extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - {e[0] for e in entries})
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
+    sharded = hasattr(opt, "gather_state")
+    params = opt.params() if sharded else [p for g in opt.param_groups for p in g["params"]] if opt else []
+    trained, mains = {id(p) for p in params}, {}
     with torch.no_grad():
         for name, t, _, coords, sizes in entries:
             x = r.read(name, shards=getattr(t, "shards", ()), coords=coords, sizes=sizes)
-            if x.shape != t.shape or (x.dtype != t.dtype and not finetune):
+            same_kind = x.dtype == t.dtype or (x.is_floating_point() and t.is_floating_point())  # bf16 <-> fp32
+            if x.shape != t.shape or not (same_kind or finetune):
                 raise ValueError(f"{r.dir}/{META_NAME}: tensor {name} ({r.tensors[name]['dtype']} "
                                  f"{r.tensors[name]['shape']}) does not fit this run's {dtype_name(t)} {list(t.shape)}")
             t.copy_(x)
+            if id(t) in trained:
+                mains[id(t)] = x
+    states = None
     if opt is not None and load_optim and not finetune:
-        _load_optimizer(r, opt, entries, say)
+        states, fresh = _optimizer_states(r, params, entries)
+        if fresh:
+            say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: "
+                "fresh AdamW")
+    if sharded:   # its fp32 main weights from the checkpoint's (not from the model's possibly bf16 copy)
+        opt.load(mains, states)
+    elif states is not None:
+        sd = opt.state_dict()
+        sd["state"] = {i: states[id(p)] for i, p in enumerate(params) if id(p) in states}
+        opt.load_state_dict(sd)
     saved = r.meta["layout"]
     rank_state = None
     if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune \
@@ -413,21 +436,19 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     return dict(FRESH) if finetune else dict(r.meta["counters"])
 
 
-def _load_optimizer(r, opt, entries, say):
+def _optimizer_states(r, params, entries):
+    """{id(param): {"step", "exp_avg", "exp_avg_sq"}} of this rank's slices, and the names saved without state."""
     by_id = {id(t): (name, coords, sizes) for name, t, _, coords, sizes in entries}
-    sd, fresh = opt.state_dict(), []
-    sd["state"] = {}
-    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
-        name, coords, sizes = by_id[id(p)]
-        if not r.tensors[name]["optim"]:
-            fresh.append(name)
+    states, fresh = {}, []
+    for p in params:
+        name, coords, sizes = by_id.get(id(p), (None, None, None))
+        if name is None or not r.tensors[name]["optim"]:
+            fresh.append(name or "a new LoRA adapter")
             continue
         where = dict(kind="optim", shards=getattr(p, "shards", ()), coords=coords, sizes=sizes)
-        sd["state"][i] = {"step": r.read(name, ".step", "optim"), "exp_avg": r.read(name, ".exp_avg", **where),
-                          "exp_avg_sq": r.read(name, ".exp_avg_sq", **where)}
-    opt.load_state_dict(sd)
-    if fresh:
-        say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: fresh AdamW")
+        states[id(p)] = {"step": r.read(name, ".step", "optim"), "exp_avg": r.read(name, ".exp_avg", **where),
+                         "exp_avg_sq": r.read(name, ".exp_avg_sq", **where)}
+    return states, fresh
 
 
 def load_model(path):

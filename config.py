@@ -60,7 +60,7 @@ class Config:
     vision_dp: int = 2
     lm_tp: int = 2
     lm_dp: int = 2
-    lm_ep: int = 2
+    lm_ep: int = 4                           # experts over all 4 language ranks (edp 1): the 20l fits 80 GB
     lm_etp: int = 1
     reference_world: int = 8                 # the layout above applies when WORLD_SIZE equals this
     # ---- failure handling (failsafe.py) ----

@@ -109,7 +109,7 @@ def abandon_step(bridge, modules, loader, base, rng):
         bridge.backward_encoder()
     for m in modules.values():
         for p in m.parameters():
-            p.grad = None
+            p.grad = p.main_grad = None   # main_grad: the fp32 accumulator of bf16 weights (optim.py)
     if "language" in modules:
         moe.discard_expert_counts(modules["language"])
     random.setstate(rng[0])

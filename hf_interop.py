@@ -19,11 +19,13 @@ import re
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import checkpoint
 import comm
 import config
 import data
+import lora
 import radio
 
 WEIGHTS_NAME, INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
@@ -43,7 +45,6 @@ HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, exp
                hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True, rescale_prenorm_residual=True)
 HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}   # transformers 5.x
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
-EXPERT_KEY = re.compile(r"^(.+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")    # HF, one per expert
 
 
 # RADIO switches baked into radio.py (absent = HF default = this), and what an Omni config must say.
@@ -391,12 +392,24 @@ def import_hf(hf_dir, preset=None, image_token_id=None, vision_hf=None, say=prin
     return src.cfg, {name: src.read(name) for name in src.tensors}
 
 
-def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None):
+def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None,
+           adapters_only=False):
     """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h). The tokenizer is
     the one the run used (its saved --tokenizer) unless given."""
     r = checkpoint.Reader(path)
-    sd = {n: r.read(n) for n in r.tensors if not (language_only and n.startswith("vision."))}
-    tokenizer = tokenizer or r.meta.get("args", {}).get("tokenizer")
+    names = [n for n in r.tensors if not (language_only and n.startswith("vision."))]
+    run = r.meta.get("args", {})
+    if adapters_only:   # the LoRA adapters alone, full tensors under our names, and their hyper-parameters
+        os.makedirs(out_dir, exist_ok=True)
+        save_file({n: r.read(n).contiguous() for n in names if "lora_" in n},
+                  os.path.join(out_dir, "adapters.safetensors"), {"format": "pt"})
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump({k: run.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")}, f, indent=1)
+        return
+    sd = {n: r.read(n) for n in names}
+    if any("lora_" in n for n in sd):   # adapters folded into their frozen weights: a plain HF model
+        sd = lora.merge(sd, run["lora_alpha"])
+    tokenizer = tokenizer or run.get("tokenizer")
     export_hf(r.cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, r.cfg))
 
 
@@ -412,6 +425,7 @@ def main(argv=None):
     e.add_argument("--tokenizer", help="HF tokenizer dir to export (default: the one the run trained with)")
     e.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast (default: keep dtypes)")
+    e.add_argument("--adapters-only", action="store_true", help="a LoRA run's adapters alone (else merged in)")
     i = sub.add_parser("import-hf", help="HF nemotron_h_omni / nemotron_h directory -> our checkpoint directory")
     i.add_argument("--hf", required=True)
     i.add_argument("--out", required=True)
@@ -422,7 +436,7 @@ def main(argv=None):
     try:
         if args.cmd == "export-hf":
             export(args.load, args.out, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None,
-                   args.language_only, args.tokenizer)
+                   args.language_only, args.tokenizer, args.adapters_only)
             print(f"wrote {args.out}")
         else:
             cfg, sd = import_hf(args.hf, args.preset, args.image_token_id, args.vision_hf)

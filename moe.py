@@ -112,12 +112,22 @@ class Experts(nn.Module):
 
     def forward(self, x_RD, counts):
         """x sorted by local expert, counts [n_local] rows per expert -> partial outputs (summed over etp later)."""
-        return expert_ffn(x_RD, self.up_proj, self.down_proj, counts)
+        lora = (self.lora_scale, self.lora_up_A, self.lora_up_B, self.lora_down_A, self.lora_down_B) \
+            if hasattr(self, "lora_scale") else None   # lora.py's adapters, one pair per expert and projection
+        return expert_ffn(x_RD, self.up_proj, self.down_proj, counts, lora)
 
 
-def expert_ffn(x_RD, w_up, w_down, counts):
-    """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection."""
-    return grouped_mm(fused.squared_relu(grouped_mm(x_RD, w_up, counts)), w_down, counts)
+def expert_ffn(x_RD, w_up, w_down, counts, lora=None):
+    """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection;
+    lora (scale, up A, up B, down A, down B): + scale * B (A x) on each projection, grouped the same way."""
+    h = grouped_mm(x_RD, w_up, counts)
+    if lora is not None:
+        h = h + lora[0] * grouped_mm(grouped_mm(x_RD, lora[1], counts), lora[2], counts)
+    a = fused.squared_relu(h)
+    y = grouped_mm(a, w_down, counts)
+    if lora is not None:
+        y = y + lora[0] * grouped_mm(grouped_mm(a, lora[3], counts), lora[4], counts)
+    return y
 
 
 def grouped_mm(x_RD, w_GND, counts):

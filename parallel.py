@@ -449,40 +449,46 @@ def global_token_count(par, local_tokens):
     return int(t.item())
 
 
-def scale_gradients(params, factor):
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads and factor != 1.0:
-        torch._foreach_mul_(grads, factor)
+def counted_in_replica(p, m):
+    """Whether this rank's copy of p counts in the norm of one data-parallel replica: tp-sharded parameters on
+    every tp rank, replicated ones on tp rank 0; experts on every ep rank, on etp rank 0 unless etp-sharded."""
+    kinds = shard_kinds(p)
+    if "ep" in kinds:
+        return "etp" in kinds or m.etp_rank == 0
+    return "tp" in kinds or m.tp_rank == 0
 
 
 def _unique_here(p, m):
-    """Whether this rank holds the copy of p's gradient that the global norm counts (each element exactly once).
-
-    After the DP reduction every dp replica is identical, so only dp (and cp) rank 0 counts. tp-sharded parameters
-    count on every tp rank, replicated ones on tp rank 0. Expert parameters count on edp rank 0, on every ep rank,
-    and on etp rank 0 unless they are also etp-sharded.
-    """
-    kinds = shard_kinds(p)
-    if "ep" in kinds:
-        return m.edp_rank == 0 and ("etp" in kinds or m.etp_rank == 0)
-    return m.dp_rank == 0 and m.cp_rank == 0 and ("tp" in kinds or m.tp_rank == 0)
+    """Whether this rank holds the copy of p's gradient that the global norm counts (each element exactly once):
+    after the DP reduction every dp replica is identical, so only dp (and cp) rank 0 (edp 0 for experts) counts."""
+    if is_expert(p):
+        return m.edp_rank == 0 and counted_in_replica(p, m)
+    return m.dp_rank == 0 and m.cp_rank == 0 and counted_in_replica(p, m)
 
 
-def global_grad_norm(par, vision_params=(), lm_params=()):
-    """sqrt(sum over modules of norm_m^2), identical on every rank (one SUM all-reduce over WORLD, all ranks call).
-
-    The same all-reduce carries a second number, the sum of squares of EVERY local gradient: if any rank holds an
-    inf/nan, even in a copy the norm does not count, the result is nan on every rank, so all ranks skip together.
-    """
-    counted, copies = [], []               # counted first, so the norm is a prefix of one batched norm
+def grad_lists(par, vision_params=(), lm_params=()):
+    """(counted, copies): the local gradients the global norm counts (_unique_here), and all the other ones."""
+    counted, copies = [], []
     for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
         if m is not None:
             for p in params:
                 if p.grad is not None:
                     (counted if _unique_here(p, m) else copies).append(p.grad.detach())
+    return counted, copies
+
+
+def global_grad_norm(par, vision_params=(), lm_params=(), lists=None):
+    """sqrt(sum over modules of norm_m^2), identical on every rank (one SUM all-reduce over WORLD, all ranks call).
+    `lists`: (counted, copies) gradient tensors instead of grad_lists(par, vision_params, lm_params).
+
+    The same all-reduce carries a second number, the sum of squares of EVERY local gradient: if any rank holds an
+    inf/nan, even in a copy the norm does not count, the result is nan on every rank, so all ranks skip together.
+    """
+    counted, copies = lists or grad_lists(par, vision_params, lm_params)
     local = torch.zeros(2, dtype=torch.float64, device=_device())
-    if counted or copies:
-        sq = torch.stack(torch._foreach_norm(counted + copies)).double() ** 2
+    if counted or copies:                  # counted first, so the norm is a prefix of one batched norm
+        sq = torch.stack(torch._foreach_norm(counted + copies, dtype=torch.float64)) ** 2  # fp64: the same
+        # value however the gradients are cut into pieces (the distributed optimizer's shards)
         local[0] = sq[:len(counted)].sum()
         local[1] = sq.sum()
     dist.all_reduce(local)
@@ -490,22 +496,39 @@ def global_grad_norm(par, vision_params=(), lm_params=()):
     return math.sqrt(total) if math.isfinite(total) and math.isfinite(check) else float("nan")
 
 
-def finalize_gradients(par, vision_params, lm_params, n_global, max_norm):
+def finalize_gradients(par, vision_params, lm_params, n_global, max_norm, opt=None):
     """The whole post-backward sequence, same WORLD collectives in the same order on every rank (§7.3):
     DP-reduce each module, global norm, then one pass that divides by N_global (from global_token_count at the start
     of the step) and clips to max_norm (0: no clipping), or skip. Returns (norm of the divided gradients, ok).
+    With optim.DistributedAdamW (`opt`) the reduction is its reduce-scatter and the rest runs on its fp32 shards.
 
     ok is False on EVERY rank when any rank saw inf/nan: grads are then dropped and the caller skips the step.
     """
+    sharded = hasattr(opt, "reduce_scatter_grads")
     vision_params = list(vision_params) if par.vision is not None else []
     lm_params = list(lm_params) if par.lm is not None else []
-    reduce_gradients(par, vision_params, lm_params)
+    for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
+        for p in params:   # LoRA adapters whose gradient is a partial sum per tp rank (lora.py)
+            if getattr(p, "tp_partial", False) and p.requires_grad and m.tp_size > 1:
+                if p.grad is None and getattr(p, "main_grad", None) is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad if getattr(p, "main_grad", None) is None else p.main_grad, group=m.tp)
+    if sharded:
+        lists = opt.reduce_scatter_grads()
+        grads = opt.shard_grads()
+    else:
+        reduce_gradients(par, vision_params, lm_params)
+        lists = grad_lists(par, vision_params, lm_params)
+        grads = lists[0] + lists[1]
     n = max(n_global, 1)
-    norm = global_grad_norm(par, vision_params, lm_params) / n   # the norm scales with the gradients
+    norm = global_grad_norm(par, lists=lists) / n   # the norm scales with the gradients
     ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
     if ok:
-        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        scale_gradients(vision_params + lm_params, clip / n)
+        factor = (min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0) / n   # max_norm 0: no clipping
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+    elif sharded:
+        opt.zero_grad()
     else:
         for p in vision_params + lm_params:
             p.grad = None

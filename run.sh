@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 # CPU: tiny preset, hetero, 4 processes (vision dp2 on ranks 0-1 + language dp2 on ranks 2-3)
 OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 train.py --preset tiny --steps 20 "$@"
 
-# GPU: 20l on 8 GPUs, reference layout (vision tp2 dp2 on 0-3 + language tp2 ep2 dp2 on 4-7), seq 8192,
+# GPU: 20l on 8 GPUs, reference layout (vision tp2 dp2 on 0-3 + language tp2 dp2 ep4 on 4-7), seq 8192,
 # one 2048x2048 image per sample
 # torchrun --nproc_per_node=8 train.py --preset 20l --steps 20 --metrics-file runs/20l.jsonl "$@"
 

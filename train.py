@@ -38,9 +38,12 @@ import data
 import failsafe
 import hf_interop
 import logs
+import lora
+import memory
 import mock
 import model
 import moe
+import optim
 import parallel
 from bridge import Bridge
 from radio import VisionModel
@@ -89,6 +92,11 @@ def parse_args(argv=None):
                    help="1: projector only, 2: vision tower frozen, 3: everything")
     p.add_argument("--train-layers", default=None, help="regex over vision.* / language.* names (overrides --stage)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-distributed-optimizer", action="store_true", help="plain AdamW: fp32 weights, gradients "
+                   "and state replicated over data parallel (default: sharded, bf16 weights on CUDA; optim.py)")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (lora.py)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale = alpha / rank")
+    p.add_argument("--lora-targets", default=None, help="regex over full layer names (default: lora.TARGETS)")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
     for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
         p.add_argument(f"--{name}", type=int, default=None)
@@ -100,7 +108,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-samples", type=int, default=None, help="an evaluation scores the first N eval samples; "
                    f"default: the whole eval data ({MOCK_EVAL_SAMPLES} of mock data)")
-    p.add_argument("--dry-run", action="store_true", help="build on the meta device, print sizes and memory, exit")
+    p.add_argument("--dry-run", action="store_true", help="print sizes and the memory plan per rank (memory.py), exit")
+    p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for N ranks (default WORLD_SIZE)")
     p.add_argument("--save", default=None, help="save directory: DIR/step_N/ + DIR/latest (see checkpoint.py)")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
     p.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
@@ -171,36 +180,6 @@ def learning_rate(args, it, samples):
     return args.min_lr + (args.lr - args.min_lr) * (1 - drop)
 
 
-def memory_estimate(cfg, lay, stage):
-    """Bytes per rank of fp32 weights + gradients + AdamW state (16 B per trained parameter, 4 B per frozen)."""
-    with torch.device("meta"):
-        vision, lm = VisionModel(cfg), model.LanguageModel(cfg)
-    model.set_trainable({"vision": vision, "language": lm}, stage)
-    def per_rank(module, tp, ep_etp):
-        total = 0
-        for name, p in module.named_parameters():
-            kinds = parallel.shard_kinds(p)
-            share = ep_etp if "ep" in kinds else (tp if "tp" in kinds else 1)
-            total += p.numel() / share * (16 if p.requires_grad else 4)
-        return total
-    v = per_rank(vision, lay.vision_tp, 1)
-    lang = per_rank(lm, lay.lm_tp, lay.lm_ep * lay.lm_etp)
-    return {"vision_rank": v + (lang if lay.colocated else 0), "lm_rank": lang + (v if lay.colocated else 0)}
-
-
-def check_fits(cfg, lay, stage, device):
-    need = max(memory_estimate(cfg, lay, stage).values())
-    if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    if need > 0.9 * have:
-        gib = 2 ** 30
-        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {need / gib:.1f} GiB per rank for "
-                         f"weights, gradients and AdamW state, a rank here has {have / gib:.1f} GiB. Use more "
-                         f"ranks (--lm-tp / --lm-ep / --vision-tp), a smaller preset (tiny, small), or see "
-                         f"`--dry-run` for the per-rank estimate of a layout.")
 
 
 def hf_model(args, overrides, say):
@@ -220,15 +199,6 @@ def hf_model(args, overrides, say):
         f"--preset {args.preset}, tokenizer {args.tokenizer or 'byte-level (the default)'}")
     return config.from_values(dataclasses.asdict(source.cfg), overrides), source
 
-
-def optimizer_for(modules, args, device):
-    decay, no_decay = [], []
-    for m in modules:
-        for p in m.parameters():
-            if p.requires_grad:  # norms, biases, A_log, D, dt_bias are the 1-D parameters
-                (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 @dataclasses.dataclass
@@ -269,10 +239,10 @@ def main(argv=None):
     failsafe.check_args(args, cfg)
     grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
                       lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
-    lay = parallel.plan_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)), args.micro_batch, args.global_batch,
-                               **grid_flags)
+    world = args.world_size if args.dry_run and args.world_size else int(os.environ.get("WORLD_SIZE", 1))
+    lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
     if args.dry_run:
-        return dry_run(cfg, lay, args)
+        return memory.dry_run(cfg, lay, args)
     run = setup(args, cfg, lay, hf_source)
     run.argv = list(sys.argv[1:] if argv is None else argv)
     if args.eval_only:  # the last line printed is the JSON result
@@ -310,7 +280,7 @@ def setup(args, cfg, lay, hf_source):
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
         torch.device("cpu")
-    check_fits(cfg, lay, args.stage, device)
+    memory.check_fits(cfg, lay, args, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own_group = not dist.is_initialized()
@@ -334,8 +304,9 @@ def setup(args, cfg, lay, hf_source):
         model.init_weights(run.lm, args.seed + 20000, coords, cfg)
         run.lm.checkpoint_layers = args.activation_checkpointing
     model.set_trainable(run.modules, args.stage, args.train_layers)
-    if any(p.requires_grad for m in run.modules.values() for p in m.parameters()):
-        run.opt = optimizer_for(run.modules.values(), args, device)
+    if args.lora_rank:  # adapters only: everything else frozen
+        lora.apply(run.modules, args, par, args.seed + 40000)
+    run.opt = optim.build(par, run.vision, run.lm, args, device)
 
     run.train_data, eval_data = datasets(args, cfg, run.log_rank)
     if args.skip_bad_samples and args.data != "mock":  # also load-time failures, agreed by all ranks each step
@@ -457,7 +428,7 @@ def train_step(run, step, stop):
         run.bridge.backward_encoder()
     vparams = list(run.vision.parameters()) if run.vision is not None else []
     lparams = list(lm.parameters()) if lm is not None else []
-    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, args.clip_grad)
+    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, args.clip_grad, run.opt)
     run.expert_counts = None
     if ok:
         if run.opt is not None:
@@ -561,17 +532,6 @@ def train(run):
     log.close(run.counters["step"], args.save, run.argv)
     return history
 
-
-def dry_run(cfg, lay, args):
-    total_lm, active_lm = model.count_language_params(cfg)
-    with torch.device("meta"):
-        n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
-    print("config:", json.dumps(vars(cfg), indent=2))
-    print(lay.describe())
-    mem = {k: round(v / 2 ** 30, 2) for k, v in memory_estimate(cfg, lay, args.stage).items()}
-    print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
-                      "params_vision": n_vision, "params_language": total_lm,
-                      "memory_gib_per_rank": mem, "layout": lay.describe()}))
 
 
 def cli(argv=None):

@@ -18,6 +18,7 @@ import comm
 import config
 import hf_interop
 import model
+import optim
 import parallel
 import radio
 import train
@@ -141,7 +142,7 @@ def _load_one_process(rank, world, path, stage):
     par = parallel.setup(parallel.plan_layout(cfg, 1, 1, 4), cfg)
     modules = {"vision": radio.VisionModel(cfg), "language": model.LanguageModel(cfg)}
     model.set_trainable(modules, stage)
-    opt = train.optimizer_for(modules.values(), train.parse_args([])[0], torch.device("cpu"))
+    opt = optim.plain(modules.values(), train.parse_args([])[0], torch.device("cpu"))
     counters = checkpoint.load(path, par, modules, opt, cfg)
     names = {id(p): f"{k}.{n}" for k, m in modules.items() for n, p in m.named_parameters()}
     return (counters, {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()},

@@ -6,6 +6,7 @@ import pytest
 import config
 import model
 import moe
+import optim
 from mamba import Mamba2Mixer, causal_conv1d_ref, gated_rms_norm, ssd_chunked
 
 
@@ -313,7 +314,7 @@ def test_stage_and_regex_freezing():
     # frozen parameters get no gradient and no optimizer state
     model.set_trainable(modules, stage=1)
     args = train.parse_args([])[0]
-    opt = train.optimizer_for(modules.values(), args, torch.device("cpu"))
+    opt = optim.plain(modules.values(), args, torch.device("cpu"))
     assert sum(len(g["params"]) for g in opt.param_groups) == len(projector)
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)

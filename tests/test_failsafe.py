@@ -327,8 +327,9 @@ def _inf_from_step(rank, world, argv, first_bad):
         calls.append(1)
         if len(calls) >= first_bad:
             for p in list(vparams) + list(lparams):
-                if p.grad is not None:
-                    p.grad.fill_(float("inf"))
+                for g in (p.grad, getattr(p, "main_grad", None)):   # main_grad: optim.py's fp32 accumulator
+                    if g is not None:
+                        g.fill_(float("inf"))
         return finalize(par, vparams, lparams, *a, **k)
     parallel.finalize_gradients = poisoned
     try:

@@ -16,6 +16,7 @@ import comm
 import config
 import data
 import mock
+import memory
 import model
 import parallel
 import train
@@ -65,10 +66,14 @@ def _train(rank, world, argv):
     grads = {}
     real = parallel.finalize_gradients
 
-    def spy(par, vparams, lparams, *args, **kwargs):
-        norm, ok = real(par, vparams, lparams, *args, **kwargs)
+    def spy(par, vparams, lparams, n_global, max_norm, opt=None):
+        norm, ok = real(par, vparams, lparams, n_global, max_norm, opt)
         grads.clear()
-        grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
+        if hasattr(opt, "buckets"):   # the distributed optimizer's fp32 shards, all-gathered
+            for b in opt.buckets if ok else ():
+                grads.update({k: g.clone() for k, g in b.split(b.gather(b.main.grad)).items()})
+        else:
+            grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
         return norm, ok
 
     parallel.finalize_gradients = spy      # this forked child only
@@ -356,7 +361,7 @@ def test_too_big_for_this_machine_fails_before_allocating(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     cfg = config.resolve("20l")
     lay = parallel.plan_layout(cfg, 1, 1, 8)
-    need = max(train.memory_estimate(cfg, lay, 2).values())
+    need = max(r["peak"] for r in memory.plan(cfg, lay, train.parse_args([])[0], cuda=False).values())
     if need < 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         pytest.skip(f"20l ({need / 2 ** 30:.0f} GiB) fits this machine's memory")
 

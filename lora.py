@@ -1,0 +1,100 @@
+"""LoRA (--lora-rank R --lora-alpha A [--lora-targets REGEX]): W x + (A / R) * B (A_lora x) with W frozen.
+
+Targets (regex over full names, default TARGETS): attention q/k/v/o, Mamba in/out projections, the dense and
+shared-expert MLPs, and the routed experts, one adapter pair per expert, applied inside the grouped GEMM
+(moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is frozen.
+
+Sharding follows the frozen weight, so any tp / ep layout computes the one-device function:
+  column-parallel W (rows over tp):  B's rows shard like W's; A sees the whole input and is replicated, its
+                                      gradient a partial sum per tp rank (`tp_partial`, summed by parallel.py)
+  row-parallel W (columns over tp):  A's columns shard like W's; the product leaves through W's reduce_from,
+                                      B is replicated, its gradient partial per tp rank
+  experts:                            every adapter sharded over ep with its expert (etp must be 1)
+B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed, name): layout-independent.
+merge() folds adapters into full weights (export-hf); checkpoints hold adapters like any parameter.
+"""
+import math
+import re
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import comm
+import moe
+
+TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)$"
+
+
+def apply(modules, args, par=None, seed=0):
+    """Add adapters to the matching layers of {"vision" | "language": module}, freeze everything else. With `par`
+    (parallel.setup's) the A matrices are drawn; without, the modules are sizing copies (memory.py, meta device)."""
+    if (par is not None and par.lm is not None and par.lm.etp_size > 1) or args.moe_dispatcher != "alltoall":
+        raise SystemExit("error: LoRA on routed experts needs --lm-etp 1 and the alltoall dispatcher. Drop "
+                         "--lm-etp / --moe-dispatcher deepep.")
+    targets, r, scale = re.compile(args.lora_targets or TARGETS), args.lora_rank, args.lora_alpha / args.lora_rank
+    for key, module in modules.items():
+        for p in module.parameters():
+            p.requires_grad_(False)
+        for name, sub in list(module.named_modules()):
+            full = f"{key}.{name}"
+            if isinstance(sub, nn.Linear) and targets.search(full):
+                _attach_linear(sub, r, scale)
+            elif isinstance(sub, moe.Experts) and targets.search(full + ".up_proj"):
+                E, Fl, D = sub.up_proj.shape
+                for proj, (n_in, n_out) in (("up", (D, Fl)), ("down", (Fl, D))):
+                    a, b = nn.Parameter(torch.empty(E, r, n_in)), nn.Parameter(torch.zeros(E, n_out, r))
+                    setattr(sub, f"lora_{proj}_A", comm.mark_shard(a, ("ep", 0, None)))
+                    setattr(sub, f"lora_{proj}_B", comm.mark_shard(b, ("ep", 0, None)))
+                sub.lora_scale = scale
+        if par is None:
+            continue
+        groups = par.vision if key == "vision" else par.lm
+        kinds = ("tp",) if key == "vision" else ("tp", "ep", "etp")
+        ranks = {k: getattr(groups, f"{k}_rank") for k in kinds}
+        sizes = {k: getattr(groups, f"{k}_size") for k in kinds}
+        device = next(module.parameters()).device
+        for name, p in module.named_parameters():
+            if "lora_" not in name:
+                continue
+            p.data = p.data.to(device)
+            if name.endswith("_A"):   # fan_in: the last dim at full size
+                shape = comm.full_shape(p.shape, getattr(p, "shards", ()), sizes)
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{key}.{name}".encode()))
+                full = (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(shape[-1])
+                with torch.no_grad():
+                    p.copy_(comm.take_shard(full, getattr(p, "shards", ()), ranks, sizes))
+
+
+def _attach_linear(lin, r, scale):
+    out_f, in_f = lin.weight.shape
+    lin.lora_A, lin.lora_B = nn.Parameter(torch.empty(r, in_f)), nn.Parameter(torch.zeros(out_f, r))
+    tp = next((s for s in getattr(lin.weight, "shards", ()) if s[0] == "tp"), None)
+    if tp is not None and tp[1] == 0:       # column-parallel
+        comm.mark_shard(lin.lora_B, tp)
+        lin.lora_A.tp_partial = True
+    elif tp is not None:                    # row-parallel
+        comm.mark_shard(lin.lora_A, ("tp", 1, tp[2]))
+        lin.lora_B.tp_partial = True
+    lin.lora_scale = scale
+    lin.register_forward_hook(_linear_hook)
+
+
+def _linear_hook(lin, inputs, out):
+    return out + F.linear(F.linear(inputs[0], lin.lora_A), lin.lora_B) * lin.lora_scale
+
+
+def merge(state_dict, alpha):
+    """{full name: full tensor} with adapters -> the same without them, each folded into its weight."""
+    out = {k: v for k, v in state_dict.items() if "lora_" not in k}
+    for k, a in state_dict.items():
+        if k.endswith(".lora_A"):           # a Linear: W += s B A
+            b, w = state_dict[k[:-1] + "B"], k[:-len("lora_A")] + "weight"
+            out[w] = (out[w].float() + alpha / a.shape[0] * (b.float() @ a.float())).to(out[w].dtype)
+        elif k.endswith("_A") and ".lora_" in k:   # experts: lora_up_A -> up_proj, per expert
+            base, proj = k.rsplit(".lora_", 1)
+            proj = proj[:-2]
+            b, w = state_dict[k[:-1] + "B"], f"{base}.{proj}_proj"
+            out[w] = (out[w].float() + alpha / a.shape[1] * torch.bmm(b.float(), a.float())).to(out[w].dtype)
+    return out

@@ -182,7 +182,7 @@ def test_signal_save_time_20l(tmp_path):
     lines = []
     for line in proc.stdout:   # two steps trained (warm), then the signal during the third
         lines.append(line)
-        if line.startswith("step 2 "):
+        if line.startswith("step 2/"):
             break
     t0 = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
@@ -196,7 +196,7 @@ def test_signal_save_time_20l(tmp_path):
     assert "interrupted by SIGTERM: saved step 2 to" in "".join(lines[-5:]), "".join(lines[-30:])
     step_dir = os.path.join(save, "step_00000002")
     size = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
-    step_ms = float(next(x for x in lines if x.startswith("step 2 ")).split(" ms |")[0].rsplit("| ", 1)[1])
+    step_ms = float(next(x for x in lines if x.startswith("step 2/")).split(" ms |")[0].rsplit("| ", 1)[1])
     full = checkpoint_bytes(config.resolve("20l"))
     tensors = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir) if f.endswith("tensors"))
     assert abs(tensors - checkpoint_bytes(config.resolve("20l", {"n_routed_experts": 16}))) < 0.01 * tensors

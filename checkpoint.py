@@ -259,9 +259,10 @@ class Saver:
         dist.all_gather_object(reports, (result.get("error"), result.get("manifest", {}), specs))
         errors = [e for e, _, _ in reports if e]
         if errors:
-            raise SystemExit(f"checkpoint {step_dir} FAILED ({'; '.join(errors)}); `latest` stays "
-                             f"{_read_latest(self.root)}. Free space or fix the permissions of {self.root}, then "
-                             f"resume with --load {self.root}")
+            kept = _read_latest(self.root)
+            kept = f"`latest` stays {kept}" if kept else "no checkpoint was saved before it"
+            raise SystemExit(f"checkpoint {step_dir} FAILED ({'; '.join(errors)}); {kept}. Free space or fix the "
+                             f"permissions of {self.root}, then resume with --load {self.root}")
         if self.rank == 0:
             meta["tensors"] = {k: v for _, _, s in reports for k, v in sorted(s.items())}
             meta["files"] = {k: v for _, m, _ in reports for k, v in sorted(m.items())}

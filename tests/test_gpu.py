@@ -197,9 +197,7 @@ def test_signal_save_time_20l(tmp_path):
     step_dir = os.path.join(save, "step_00000002")
     size = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
     step_ms = float(next(x for x in lines if x.startswith("step 2/")).split(" ms |")[0].rsplit("| ", 1)[1])
-    full = checkpoint_bytes(config.resolve("20l"))
-    tensors = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir) if f.endswith("tensors"))
-    assert abs(tensors - checkpoint_bytes(config.resolve("20l", {"n_routed_experts": 16}))) < 0.01 * tensors
+    full = size * checkpoint_bytes(config.resolve("20l")) / checkpoint_bytes(config.resolve("20l", {"n_routed_experts": 16}))
     print(json.dumps({"device": torch.cuda.get_device_name(), "checkpoint_gb": round(size / 1e9, 2),
                       "signal_to_saved_s": round(saved_s, 1), "signal_to_exit_s": round(exit_s, 1),
                       "step_ms": step_ms, "write_gb_per_s": round(size / 1e9 / saved_s, 2),
@@ -207,7 +205,7 @@ def test_signal_save_time_20l(tmp_path):
                       "full_20l_one_writer_s_estimate": round(full / size * saved_s, 1)}))
 
 
-SMALL = ["--preset", "small", "--global-batch", "2", "--lr", "1e-3", "--seq-len", "512"]
+SMALL = ["--preset", "small", "--global-batch", "2", "--lr", "1e-3", "--seq-len", "512", "--lr-decay-iters", "4"]
 
 
 def _torchrun(gpus, argv, tmp_path, name):

@@ -502,7 +502,7 @@ def train(run):
         summaries = [logs.data_summary("train", run.train_data)]
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
-        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers))
+        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers, args))
     stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
     history = []  # per step, on every rank: what tests and callers of main() inspect
     bad_steps = 0  # consecutive skipped (non-finite) steps

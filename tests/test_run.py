@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -214,6 +215,18 @@ def test_param_counts_by_part_and_stage():
     assert logs.param_counts(cfg, 2, None) == {"vision tower": [0, tower], "projector": [projector, 0],
                                                "language": [total_lm, 0]}
     assert logs.param_counts(cfg, 3, None)["vision tower"] == [tower, 0]
+    # LoRA rank 4: every base weight frozen, the adapters train: r x (in + out) per targeted Linear, two pairs per
+    # routed expert
+    lora_args = types.SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_targets=None, moe_dispatcher="alltoall")
+    with torch.device("meta"):
+        lm = model.LanguageModel(cfg)
+    adapters = sum(4 * (m.in_features + m.out_features) for n, m in lm.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in
+                   ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"))
+    adapters += sum(2 * 4 * m.up_proj.shape[0] * (m.up_proj.shape[1] + m.up_proj.shape[2])
+                    for m in lm.modules() if type(m).__name__ == "Experts")
+    assert logs.param_counts(cfg, 2, None, lora_args) == {"vision tower": [0, tower], "projector": [0, projector],
+                                                          "language": [adapters, total_lm]}
 
 
 # ---------------------------------------------------------------- 6. two nodes

@@ -177,21 +177,18 @@ class Saver:
         self.root, self.par, self.cfg, self.modules, self.opt, self.args, self.data = \
             root, par, cfg, modules, opt, args, data
         self.rank, self.pending, self.last = dist.get_rank(), None, None
+        parallel.on_every_rank(self._check_writable)
+
+    def _check_writable(self):
         try:
-            os.makedirs(root, exist_ok=True)
-            probe = os.path.join(root, f".write_test.rank{self.rank}")
+            os.makedirs(self.root, exist_ok=True)
+            probe = os.path.join(self.root, f".write_test.rank{self.rank}")
             with open(probe, "w") as f:
                 f.write("ok")
             os.remove(probe)
-            error = None
         except OSError as e:
-            error = f"{type(e).__name__}: {e.strerror or e}"
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        bad = [(r, e) for r, e in enumerate(errors) if e]
-        if bad:
-            raise SystemExit(f"--save {root}: rank {bad[0][0]} cannot write there ({bad[0][1]}); give a writable "
-                             "directory (every rank writes into it)")
+            raise SystemExit(f"--save {self.root}: rank {self.rank} cannot write there ({type(e).__name__}: "
+                             f"{e.strerror or e}); give a writable directory (every rank writes into it)") from None
 
     def after_step(self, step, counters, last):
         if (self.args.save_every and step % self.args.save_every == 0) or last:

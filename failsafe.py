@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 
 import data
-import model
 import moe
-from radio import VisionModel
 
 interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
 
@@ -206,35 +204,14 @@ def check_finite_run(bad_steps, limit, norm, save):
 
 # ---------------------------------------------------------------- arguments
 
-def on_every_rank(fn, *args, **kwargs):
-    """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
-    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
-    try:
-        out, error = fn(*args, **kwargs), None
-    except SystemExit as e:
-        out, error = None, str(e)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise SystemExit(first)
-    return out
-
-
 def check_args(args, cfg):
     """Argument errors found before anything is built, the same on every rank."""
     if args.clip_grad < 0:
         raise SystemExit(f"--clip-grad {args.clip_grad}: must be >= 0 (0 turns clipping off)")
     if cfg.max_skipped_steps < 0:
         raise SystemExit(f"--max-skipped-steps {cfg.max_skipped_steps}: must be >= 0 (0: never abort)")
-    if args.train_layers is not None:
+    if args.train_layers is not None:   # matching nothing: memory.sizing_model
         try:
-            regex = re.compile(args.train_layers)
+            re.compile(args.train_layers)
         except re.error as e:
             raise SystemExit(f"--train-layers {args.train_layers!r}: not a regular expression ({e})") from None
-        with torch.device("meta"):
-            names = [f"vision.{n}" for n, _ in VisionModel(cfg).named_parameters()] + \
-                [f"language.{n}" for n, _ in model.LanguageModel(cfg).named_parameters()]
-        if not any(regex.search(n) for n in names):
-            raise SystemExit(f"--train-layers {args.train_layers!r} matches no parameter, so nothing would train; "
-                             f"names look like {names[0]} or {names[-1]}")

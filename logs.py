@@ -12,9 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-import lora
-import model
-from radio import VisionModel
+import memory
 
 
 def fmt_time(seconds):
@@ -37,14 +35,10 @@ def moe_stats(counts_LE):
             "tokens_per_layer": counts_LE.sum(-1).tolist(), "expert_counts": counts_LE.long().tolist()}
 
 
-def param_counts(cfg, stage, train_layers, lora_args=None):
-    """{part: (trainable, frozen)} for the vision tower, projector and language model, counted on the meta device
-    (the whole model, whatever this rank holds); with --lora-rank (`lora_args`) the adapters are what trains."""
-    with torch.device("meta"):
-        modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
-        model.set_trainable(modules, stage, train_layers)
-        if lora_args is not None and lora_args.lora_rank:
-            lora.apply(modules, lora_args)
+def param_counts(cfg, args):
+    """{part: (trainable, frozen)} for the vision tower, projector and language model of the whole model, whatever
+    this rank holds (memory.sizing_model: --stage / --train-layers, --lora-rank's adapters)."""
+    modules = memory.sizing_model(cfg, args)
     out = {"vision tower": [0, 0], "projector": [0, 0], "language": [0, 0]}
     for prefix, m in modules.items():
         for name, p in m.named_parameters():

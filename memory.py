@@ -28,13 +28,25 @@ from radio import VisionModel
 GIB = 2 ** 30
 
 
-def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
-    """{"vision" | "language": {"weights", "gradients", "optimizer"}} bytes of one rank of that module."""
+def sizing_model(cfg, args):
+    """The whole model on the meta device (no memory, no init) with this run's trainable parameters: --stage or
+    --train-layers, and --lora-rank's adapters. A --train-layers regex that trains nothing is refused here, on the
+    whole model (a hetero rank holds only part of it)."""
     with torch.device("meta"):
         modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
-    model.set_trainable(modules, args.stage, args.train_layers)
-    if getattr(args, "lora_rank", 0):
-        lora.apply(modules, args)
+        model.set_trainable(modules, args.stage, args.train_layers)
+        if getattr(args, "lora_rank", 0):
+            lora.apply(modules, args)
+    if args.train_layers is not None and not any(p.requires_grad for m in modules.values() for p in m.parameters()):
+        names = [f"{k}.{n}" for k, m in modules.items() for n, _ in m.named_parameters()]
+        raise SystemExit(f"--train-layers {args.train_layers!r} matches no parameter, so nothing would train; "
+                         f"names look like {names[0]} or {names[-1]}")
+    return modules
+
+
+def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
+    """{"vision" | "language": {"weights", "gradients", "optimizer"}} bytes of one rank of that module."""
+    modules = sizing_model(cfg, args)
     bf16 = distributed and cuda
     out = {}
     for kind, module in modules.items():

@@ -173,11 +173,12 @@ class DistributedAdamW:
         return [b.main.grad for b in self.buckets if b.main.grad is not None]
 
     def step(self):
-        """AdamW on the shards, then every rank's updated shard into the model's weights."""
+        """AdamW on the shards, then every rank's updated shard into the model's weights (gathered in the weights'
+        dtype: bf16 on CUDA, half the bytes of the fp32 shards, and the same rounding as copying fp32 into them)."""
         self.inner.step()
         with torch.no_grad():
             for b in self.buckets:
-                for p, w in zip(b.params, b.split(b.gather(b.main)).values()):
+                for p, w in zip(b.params, b.split(b.gather(b.main.to(b.params[0].dtype))).values()):
                     p.copy_(w)
 
     def zero_grad(self, set_to_none=True):

@@ -449,6 +449,21 @@ def global_token_count(par, local_tokens):
     return int(t.item())
 
 
+def on_every_rank(fn, *args, **kwargs):
+    """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
+    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
+    try:
+        out, error = fn(*args, **kwargs), None
+    except SystemExit as e:
+        out, error = None, str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise SystemExit(first)
+    return out
+
+
 def counted_in_replica(p, m):
     """Whether this rank's copy of p counts in the norm of one data-parallel replica: tp-sharded parameters on
     every tp rank, replicated ones on tp rank 0; experts on every ep rank, on etp rank 0 unless etp-sharded."""

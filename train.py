@@ -325,7 +325,7 @@ def setup(args, cfg, lay, hf_source):
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
     if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
-        run.counters = failsafe.on_every_rank(  # one rank's error (its rank json) ends every rank
+        run.counters = parallel.on_every_rank(  # one rank's error (its rank json) ends every rank
             checkpoint_call, checkpoint.load, hf_source or args.load, par, run.modules, run.opt, cfg, run.train_loader,
             finetune=args.finetune or hf_source is not None, load_optim=not (args.no_load_optim or args.eval_only),
             load_rng=not args.no_load_rng)
@@ -502,7 +502,7 @@ def train(run):
         summaries = [logs.data_summary("train", run.train_data)]
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
-        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args.stage, args.train_layers, args))
+        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args))
     stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
     history = []  # per step, on every rank: what tests and callers of main() inspect
     bad_steps = 0  # consecutive skipped (non-finite) steps

@@ -185,7 +185,7 @@ def test_log_lines(tmp_path):
     assert saved.startswith('{\n  "args": {') and json.loads(saved)["config"]["seq_len"] == 96
     assert f"train data: {docs} (100%): 6 documents, 192 tokens" in lines                  # 6 x 32
     assert f"eval data: {docs} (100%): 2 documents, 64 tokens (scores 2 samples)" in lines
-    counts = logs.param_counts(config.resolve("tiny"), 2, None)                             # stage 2
+    counts = logs.param_counts(config.resolve("tiny"), _sizing(2))                             # stage 2
     assert "parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()) in lines
     steps = [line for line in lines if line.startswith("step ")]
     pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| tok/s \d+ \| "
@@ -204,20 +204,25 @@ def test_log_lines(tmp_path):
     assert [r["eval_tokens"] for r in recs if "eval_loss" in r] == [62]                     # 2 x 31 targets
 
 
+def _sizing(stage, **kw):
+    """The arguments memory.sizing_model reads."""
+    return types.SimpleNamespace(**{"stage": stage, "train_layers": None, "lora_rank": 0, **kw})
+
+
 def test_param_counts_by_part_and_stage():
     cfg = config.resolve("tiny")
     total_lm, _ = model.count_language_params(cfg)
     with torch.device("meta"):
         projector = sum(p.numel() for p in radio.VisionModel(cfg).mlp1.parameters())
         tower = sum(p.numel() for p in radio.VisionModel(cfg).parameters()) - projector
-    assert logs.param_counts(cfg, 1, None) == {"vision tower": [0, tower], "projector": [projector, 0],
+    assert logs.param_counts(cfg, _sizing(1)) == {"vision tower": [0, tower], "projector": [projector, 0],
                                                "language": [0, total_lm]}
-    assert logs.param_counts(cfg, 2, None) == {"vision tower": [0, tower], "projector": [projector, 0],
+    assert logs.param_counts(cfg, _sizing(2)) == {"vision tower": [0, tower], "projector": [projector, 0],
                                                "language": [total_lm, 0]}
-    assert logs.param_counts(cfg, 3, None)["vision tower"] == [tower, 0]
+    assert logs.param_counts(cfg, _sizing(3))["vision tower"] == [tower, 0]
     # LoRA rank 4: every base weight frozen, the adapters train: r x (in + out) per targeted Linear, two pairs per
     # routed expert
-    lora_args = types.SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_targets=None, moe_dispatcher="alltoall")
+    lora_args = _sizing(2, lora_rank=4, lora_alpha=8.0, lora_targets=None, moe_dispatcher="alltoall")
     with torch.device("meta"):
         lm = model.LanguageModel(cfg)
     adapters = sum(4 * (m.in_features + m.out_features) for n, m in lm.named_modules()
@@ -225,7 +230,7 @@ def test_param_counts_by_part_and_stage():
                    ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"))
     adapters += sum(2 * 4 * m.up_proj.shape[0] * (m.up_proj.shape[1] + m.up_proj.shape[2])
                     for m in lm.modules() if type(m).__name__ == "Experts")
-    assert logs.param_counts(cfg, 2, None, lora_args) == {"vision tower": [0, tower], "projector": [0, projector],
+    assert logs.param_counts(cfg, lora_args) == {"vision tower": [0, tower], "projector": [0, projector],
                                                           "language": [adapters, total_lm]}
 
 

@@ -1,14 +1,18 @@
 """Measure the training code paths: python bench.py --preset 20l --n-routed-experts 16 [--vs-hf] [--parts ...]
 
-Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autocast, fp32 master weights):
-  lm      language model fwd+bwd (batch --batch, seq --seq-len): tokens/s, TFLOP/s, MFU, peak memory
-  step    lm fwd+bwd + fused AdamW step
+Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autocast):
+  lm      language model fwd+bwd (batch --batch, seq --seq-len): tokens/s, TFLOP/s, MFU, peak memory; weights as
+          train.py keeps them (optim.build): bf16 on CUDA, gradients accumulated into fp32 main_grad
+  step    lm fwd+bwd + the optimizer's step (optim.DistributedAdamW on one rank: fp32 main weights, fused AdamW)
   vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
   moe     one MoE layer fwd+bwd, against two dense bf16 GEMMs (fwd+bwd) with the routed experts' FLOPs
   mamba   one Mamba2 layer fwd+bwd
+  train   train.py's own steps (mock data; flags in --train-args, one process or torchrun) with the router as it
+          trains, then with --moe-force-balance (every expert the same rows, as published throughputs route):
+          ms per step, tokens/s per GPU, MFU. Step 1 (compilation) is left out.
   bridge  (torchrun, a hetero layout given by --train-args) train.py's own steps with the mock images, then the same
           steps with every sample text-only (the encoder sends 0-row payloads): the encoder's and the bridge's
-          overhead on the language step, with images / text-only - 1. Step 1 (compilation) is left out.
+          overhead on the language step, with images / text-only - 1.
   --vs-hf the same language config through transformers' NemotronHForCausalLM (bf16, SDPA, grouped_mm experts,
           mamba kernels), in the same process: both figures and the ratio.
 FLOPs come from model.lm_flops_per_token / vision_flops (formulas in model.py). The last line is one JSON object;
@@ -18,13 +22,17 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import time
+import types
 
 import torch
+import torch.distributed as dist
 
 import config
 import model
+import optim
 from radio import VisionModel
 import train
 
@@ -67,15 +75,19 @@ def bench_lm(cfg, args, dev, peak, with_step):
     lm = model.LanguageModel(cfg).to(dev)
     model.init_weights(lm, 0, {}, cfg)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
-    opt = torch.optim.AdamW(lm.parameters(), lr=1e-5, fused=dev.type == "cuda") if with_step else None
+    one_rank = types.SimpleNamespace(lm=types.SimpleNamespace(dp_cp=None, edp=None, tp_rank=0, etp_rank=0))
+    opt_args = argparse.Namespace(no_distributed_optimizer=False, lr=1e-5, weight_decay=0.1,
+                                  activation_checkpointing=False)
+    opt = optim.build(one_rank, None, lm, opt_args, dev)   # bf16 weights on CUDA, fp32 main_grad hooks
 
     def fwd_bwd():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             s, n = lm.loss_sum(lm(lm.embed(ids)), ids)
         (s / n).backward()
-        if opt:
+        if with_step:
+            opt.reduce_scatter_grads()
             opt.step()
-        lm.zero_grad(set_to_none=True)
+        opt.zero_grad()
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     if args.profile and not with_step:
@@ -167,21 +179,35 @@ def bench_vision(cfg, args, dev, peak):
     return out
 
 
-def bench_bridge(args, rest):
-    import shlex
-    import torch.distributed as dist
-    if int(os.environ.get("WORLD_SIZE", 1)) < 2:
+def train_steps(argv, peak):
+    """train.main's steps after the first -> (seconds per step, tokens/s per GPU, MFU or None)."""
+    history, _ = train.main(argv + ["--log-every", "1"])
+    rest, world = history[1:], dist.get_world_size()
+    seconds = sum(h["step_time_s"] for h in rest)
+    mfu = sum(h["model_flops"] for h in rest) / seconds / world / 1e12 / peak if peak else None
+    return seconds / len(rest), sum(h["tokens"] for h in rest) / seconds / world, mfu
+
+
+def bench_train(args, rest, part, peak):
+    """`train` or `bridge` (see the module docstring): two runs of train.py's steps in one process group."""
+    os.environ.setdefault("MASTER_ADDR", "localhost")   # a lone `python bench.py`: a group of one
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if part == "bridge" and int(os.environ["WORLD_SIZE"]) < 2:
         raise SystemExit("--parts bridge needs a hetero layout: torchrun --nproc_per_node=2 (or more) bench.py ...")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # one group for both runs
     argv = ["--preset", args.preset, "--steps", str(args.iters + 1), *shlex.split(args.train_args), *rest]
-    times = {}
-    for name, extra in (("with_images", []), ("text_only", ["--mock-text-only-frac", "1.0"])):
-        history, _ = train.main(argv + extra)
-        times[name] = sum(h["step_time_s"] for h in history[1:]) / (len(history) - 1)
-    out = {"part": "bridge", "with_images_s": times["with_images"], "text_only_s": times["text_only"],
-           "overhead": times["with_images"] / times["text_only"] - 1, "world": dist.get_world_size()}
+    runs = (("real", []), ("balanced", ["--moe-force-balance"])) if part == "train" else \
+        (("with_images", []), ("text_only", ["--mock-text-only-frac", "1.0"]))
+    out = {"part": part, "world": dist.get_world_size()}
+    for name, extra in runs:
+        s, tok, mfu = train_steps(argv + extra, peak)
+        out.update({f"{name}_ms": s * 1e3, f"{name}_tokens_per_s_per_gpu": tok, f"{name}_mfu": mfu})
+    if part == "bridge":
+        out["overhead"] = out["with_images_ms"] / out["text_only_ms"] - 1
     dist.destroy_process_group()
     return out
 
@@ -196,7 +222,7 @@ def main(argv=None):
     p.add_argument("--vs-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one lm fwd+bwd")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
-    p.add_argument("--train-args", default="", help="bridge part: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
+    p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
     overrides = train.parse_overrides(rest, p.error)
@@ -207,11 +233,12 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {}
     parts = args.parts.split(",")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and parts != ["bridge"]:
-        raise SystemExit("under torchrun only --parts bridge runs; the other parts measure one process on one GPU")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and parts not in (["bridge"], ["train"]):
+        raise SystemExit("under torchrun only --parts bridge or train runs; the other parts measure one process on "
+                         "one GPU")
     for part in parts:
-        if part == "bridge":
-            results[part] = bench_bridge(args, rest)
+        if part in ("bridge", "train"):
+            results[part] = bench_train(args, rest, part, peak)
             if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:  # the last rank (language) reports
                 return results
             print_row(results[part])

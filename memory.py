@@ -4,6 +4,7 @@ train.py runs before building anything.
 
 Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA, in bytes (optim.py):
   distributed optimizer        weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (fp32 main + moments)
+                               where optim.fp32_weights: weights 4 (they are the main weights)  optimizer 8
   --no-distributed-optimizer   weights 4         gradient 4                   optimizer 8, and 2 more while a
                                micro-batch runs: the bf16 copy autocast makes of the weight and keeps for backward
 d: the parameter's data-parallel group (vision dp, language dp, edp). Frozen: 2 (bf16; 4 with the plain optimizer).
@@ -22,6 +23,7 @@ import torch
 
 import lora
 import model
+import optim
 import parallel
 from radio import VisionModel
 
@@ -45,9 +47,8 @@ def sizing_model(cfg, args):
 
 
 def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
-    """{"vision" | "language": {"weights", "gradients", "optimizer"}} bytes of one rank of that module."""
+    """{"vision" | "language": {"weights", "gradients", "optimizer", "casts"}} bytes of one rank of that module."""
     modules = sizing_model(cfg, args)
-    bf16 = distributed and cuda
     out = {}
     for kind, module in modules.items():
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
@@ -57,12 +58,14 @@ def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
             expert = "ep" in kinds
             n = p.numel() / (lay.lm_ep * (lay.lm_etp if "etp" in kinds else 1) if expert else
                              tp if "tp" in kinds else 1)
+            d = lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
+            fp32 = p.requires_grad and optim.fp32_weights(d, expert, cuda, args.activation_checkpointing)
+            bf16 = distributed and cuda and not fp32
             b["weights"] += n * (2 if bf16 else 4)
             if p.requires_grad:
-                d = lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
                 b["gradients"] += n * 4
-                b["optimizer"] += n * (12 / d if distributed else 8)
-                b["casts"] += n * 2 if cuda and not bf16 else 0
+                b["optimizer"] += n * (8 if fp32 or not distributed else 12 / d)
+                b["casts"] += n * 2 if cuda and not distributed else 0
         out[kind] = b
     return out
 

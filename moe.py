@@ -26,6 +26,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.aux_loss_scale = 1.0  # set per step by set_aux_loss_scale
+        self.force_balance = False  # --moe-force-balance (benchmarks only): token t takes experts t*K .. t*K+K-1 mod E
 
     def forward(self, x_BLD, valid_BL=None):
         """-> topk ids [B*L, K] (int64), routing weights [B*L, K] (fp32, differentiable)."""
@@ -33,6 +34,9 @@ class Router(nn.Module):
         with torch.autocast(x_BLD.device.type, enabled=False):  # fp32 routing: autocast would run it in bf16
             scores = torch.sigmoid(F.linear(x_BLD.reshape(Bsz * L, -1).float(), self.weight.float()))
         topk_idx = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices  # bias: choice only
+        if self.force_balance:   # the same kernels and shapes, every expert the same rows (Megatron's and
+            E, K = scores.shape[1], self.top_k  # Automodel's benchmark routers force balance too)
+            topk_idx = (torch.arange(Bsz * L * K, device=scores.device) % E).view(Bsz * L, K)
         picked = scores.gather(-1, topk_idx)
         topk_w = self.scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
         if self.training and torch.is_grad_enabled() and self.aux_coeff > 0:

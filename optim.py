@@ -12,8 +12,11 @@ and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
 On CUDA those weights are bf16 (2 bytes, and no autocast cast per micro-batch), and each accumulates its
 micro-batch gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16:
 2 + 4 + 12 / dp bytes. A domain of one rank (experts at edp 1) has one shard, the whole bucket: 18 bytes, as
-plain AdamW's 16 plus the bf16 copy autocast keeps of every trained fp32 weight for the backward. Frozen weights
-are bf16 on CUDA. (CPU keeps fp32 weights: the main weights are then an exact copy.)
+plain AdamW's 16 plus the bf16 copy autocast keeps of every trained fp32 weight for backward. Where a one-rank
+bucket's weights stay fp32 they are views of its main weights (no second fp32 copy, nothing to gather): always on
+the CPU, and on CUDA for routed experts under --activation-checkpointing, whose bf16 casts (made in
+moe.grouped_mm) are then dropped after each layer and recomputed: 16 bytes instead of 18, the same numbers, one
+cast more per micro-batch (fp32_weights). Frozen weights are bf16 on CUDA, fp32 on the CPU.
 Why by hand, not FSDP2: the tower, dense and expert weights of one module step over three different groups, on two
 different grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that needs.
 Checkpoints keep the per-parameter format (checkpoint.py): gather_state assembles full moments and fp32 main
@@ -51,10 +54,17 @@ def build(par, vision, lm, args, device):
         return plain(modules, args, device) if trains else None
     opt = DistributedAdamW(domains(par, vision, lm), args, device) if trains else None
     if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
+        aliased = {id(p) for b in opt.buckets if b.alias for p in b.params} if opt else set()
         for m in modules:
             for p in m.parameters():
-                p.data = p.data.to(torch.bfloat16)
+                if id(p) not in aliased:
+                    p.data = p.data.to(torch.bfloat16)
     return opt
+
+
+def fp32_weights(domain_size, expert, cuda, checkpointing):
+    """Whether trained weights stay fp32 as views of their main weights (see the module docstring)."""
+    return domain_size == 1 and (not cuda or (expert and checkpointing))
 
 
 def domains(par, vision, lm):
@@ -72,7 +82,7 @@ def domains(par, vision, lm):
 class Bucket:
     """Parameters packed flat (offsets), padded to group size x shard; this rank owns [lo, lo + shard)."""
 
-    def __init__(self, params, group, groups, decay):
+    def __init__(self, params, group, groups, decay, fp32):
         self.params, self.group, self.groups, self.decay = params, group, groups, decay
         self.n, rank = comm.group_size(group), comm.group_rank(group)
         self.offsets = [0]
@@ -81,6 +91,10 @@ class Bucket:
         self.shard = -(-self.offsets[-1] // self.n)
         self.lo = rank * self.shard
         self.main = self.local({id(p): p.detach() for p in params})
+        self.alias = fp32 and self.n == 1   # the weights become views of main: AdamW updates them in place
+        if self.alias:
+            for p, w in zip(params, self.split(self.main).values()):
+                p.data = w
 
     def segments(self):
         """(parameter, start, end in the parameter's flat view, start in the shard) of every piece this rank owns."""
@@ -123,16 +137,18 @@ class DistributedAdamW:
     def __init__(self, domain_list, args, device):
         self.buckets = []
         for group, groups, params in domain_list:
+            fp32 = bool(params) and fp32_weights(comm.group_size(group), parallel.is_expert(params[0]),
+                                                 device.type == "cuda", args.activation_checkpointing)
             for decay in (True, False):
                 bucket, size = [], 0
                 for p in (p for p in params if (p.ndim >= 2) == decay):
                     bucket.append(p)
                     size += p.numel() * 4
                     if size >= BUCKET_BYTES:
-                        self.buckets.append(Bucket(bucket, group, groups, decay))
+                        self.buckets.append(Bucket(bucket, group, groups, decay, fp32))
                         bucket, size = [], 0
                 if bucket:
-                    self.buckets.append(Bucket(bucket, group, groups, decay))
+                    self.buckets.append(Bucket(bucket, group, groups, decay, fp32))
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(_accumulate_fp32)
@@ -177,7 +193,7 @@ class DistributedAdamW:
         dtype: bf16 on CUDA, half the bytes of the fp32 shards, and the same rounding as copying fp32 into them)."""
         self.inner.step()
         with torch.no_grad():
-            for b in self.buckets:
+            for b in (b for b in self.buckets if not b.alias):
                 for p, w in zip(b.params, b.split(b.gather(b.main.to(b.params[0].dtype))).values()):
                     p.copy_(w)
 

@@ -98,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale = alpha / rank")
     p.add_argument("--lora-targets", default=None, help="regex over full layer names (default: lora.TARGETS)")
     p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
+    p.add_argument("--moe-force-balance", action="store_true", help="benchmarks only: route every token to fixed "
+                   "experts in turn, so all experts get the same rows (the routers of published throughputs)")
     for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
         p.add_argument(f"--{name}", type=int, default=None)
     p.add_argument("--colocated", action="store_true", help="both modules on every rank")
@@ -303,6 +305,9 @@ def setup(args, cfg, lay, hf_source):
         coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
         model.init_weights(run.lm, args.seed + 20000, coords, cfg)
         run.lm.checkpoint_layers = args.activation_checkpointing
+        for m in run.lm.modules():
+            if isinstance(m, moe.Router):
+                m.force_balance = args.moe_force_balance
     model.set_trainable(run.modules, args.stage, args.train_layers)
     if args.lora_rank:  # adapters only: everything else frozen
         lora.apply(run.modules, args, par, args.seed + 40000)
@@ -477,7 +482,7 @@ def step_record(run, h, log):
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
     h["model_flops"] = sum(f for _, f in per_rank)
-    tokens = parallel.global_token_count(run.par, run.real_tokens)
+    h["tokens"] = tokens = parallel.global_token_count(run.par, run.real_tokens)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
     rec = {"step": h["step"], "steps": args.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
@@ -503,6 +508,9 @@ def train(run):
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
         log.start(cfg, args.save, summaries, logs.param_counts(cfg, args))
+    if run.device.type == "cuda":   # step lines report the training peak; set-up's (fp32 init before the cast) apart
+        log.say(f"set-up peak memory {logs.peak_memory_gib(run.device):.2f} GiB")
+        torch.cuda.reset_peak_memory_stats(run.device)
     stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
     history = []  # per step, on every rank: what tests and callers of main() inspect
     bad_steps = 0  # consecutive skipped (non-finite) steps

@@ -128,6 +128,23 @@ def test_router_stays_fp32_under_autocast():
     assert w_ac.dtype == torch.float32 and torch.equal(idx_ac, idx) and torch.equal(w_ac, w)
 
 
+def test_router_force_balance():
+    """--moe-force-balance: token t takes experts tK .. tK+K-1 (mod E), weights still from its own scores."""
+    cfg = config.resolve("tiny")   # 8 experts, top 2
+    torch.manual_seed(0)
+    r = moe.Router(cfg)
+    torch.nn.init.normal_(r.weight, std=0.1)
+    r.force_balance = True
+    x = torch.randn(1, 12, cfg.hidden_size, requires_grad=True)
+    idx, w = r(x)
+    assert idx[:3].tolist() == [[0, 1], [2, 3], [4, 5]] and idx[4].tolist() == [0, 1]
+    assert torch.bincount(idx.flatten(), minlength=8).tolist() == [3] * 8
+    s = torch.sigmoid(x[0].detach() @ r.weight.detach().T).gather(1, idx)
+    torch.testing.assert_close(w.detach(), 2.5 * s / s.sum(1, keepdim=True))
+    w.sum().backward()
+    assert r.weight.grad.abs().sum() > 0
+
+
 def test_seq_aux_loss_direct_formula_and_gradient():
     torch.manual_seed(0)
     B, L, E, K, alpha = 2, 5, 4, 2, 1e-2

@@ -18,10 +18,14 @@ ARGV = ["--preset", "tiny", "--hybrid-override-pattern", "*E", "--stage", "3", "
         "--vision-dp", "2", "--lm-dp", "2", "--lm-ep", "2"]
 
 
-def plan(extra=()):
+def _cfg_lay(extra=()):
     args, overrides = train.parse_args(ARGV + list(extra))
     cfg = config.resolve(args.preset, overrides)
-    lay = parallel.plan_layout(cfg, 4, args.micro_batch, args.global_batch, vision_dp=2, lm_dp=2, lm_ep=2)
+    return cfg, parallel.plan_layout(cfg, 4, args.micro_batch, args.global_batch, vision_dp=2, lm_dp=2, lm_ep=2), args
+
+
+def plan(extra=()):
+    cfg, lay, args = _cfg_lay(extra)
     return memory.plan(cfg, lay, args), lay
 
 
@@ -51,7 +55,13 @@ def test_language_rank_by_hand():
     assert lang["activations"] == (block + attn) + (block + moe) + head + logits == 476160
     assert lang["peak"] == 206208 + 412416 + 716928 + 476160
     checkpointed, _ = plan(["--activation-checkpointing"])
-    assert checkpointed["language"]["activations"] == 2 * 2 * T * D + (block + moe) + head + logits
+    ck = checkpointed["language"]
+    assert ck["activations"] == 2 * 2 * T * D + (block + moe) + head + logits
+    # the experts (edp 1) then keep fp32 weights that are their own main weights: 4 + 4 + 8 bytes, not 2 + 4 + 12
+    assert (ck["weights"], ck["gradients"]) == (2 * dense + 4 * experts, lang["gradients"])
+    assert ck["optimizer"] == 6 * dense + 8 * experts
+    cpu = memory.plan(*_cfg_lay(["--activation-checkpointing"]), cuda=False)["language"]   # fp32, one-rank: aliased
+    assert (cpu["weights"], cpu["optimizer"]) == (4 * (dense + experts), 6 * dense + 8 * experts)
 
 
 def test_vision_rank_and_plain_optimizer():

@@ -16,7 +16,7 @@ STAGE3 = ["--preset", "tiny", "--global-batch", "8", "--stage", "3", "--lr", "1e
 # amplifies that last-bit difference where gradients are tiny next to eps
 LAYOUTS = {
     "hetero v-dp2 + lm-dp2": (4, [], 0.0),
-    "colocated tp2 dp2 ep2": (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "2"], 0.0),
+    "colocated tp2 dp2 ep4 edp1": (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "4"], 0.0),
     "colocated dp4 ep2 edp2": (4, ["--colocated", "--lm-ep", "2"], 1e-5),
 }
 
@@ -37,7 +37,10 @@ def _train(rank, world, argv, bucket_bytes=None):
         history, modules = train.main(list(argv))
     finally:
         optim.build = real
-    return [h["loss"] for h in history], full_state(modules), type(built[0]).__name__
+    opt = built[0]
+    aliased = [b for b in getattr(opt, "buckets", []) if b.alias]   # CPU: the one-rank (edp 1) buckets
+    views = all(p.untyped_storage().data_ptr() == b.main.untyped_storage().data_ptr() for b in aliased for p in b.params)
+    return [h["loss"] for h in history], full_state(modules), type(opt).__name__, (len(aliased), views)
 
 
 def assert_close(got, ref, rel):
@@ -53,8 +56,10 @@ def test_distributed_equals_plain_adamw(name):
     argv = STAGE3 + ["--steps", "3"] + flags
     sharded = run_distributed(_train, world, argv, 2048, timeout=90.0)
     plain = run_distributed(_train, world, argv + ["--no-distributed-optimizer"], timeout=90.0)
-    for (loss_s, w_s, kind_s), (loss_p, w_p, kind_p) in zip(sharded, plain):
+    for (loss_s, w_s, kind_s, alias), (loss_p, w_p, kind_p, _) in zip(sharded, plain):
         assert (kind_s, kind_p) == ("DistributedAdamW", "AdamW")
+        # experts at edp 1 train as views of their fp32 main weights (optim.fp32_weights), the rest from copies
+        assert alias[1] and (alias[0] > 0) == (name == "colocated tp2 dp2 ep4 edp1"), alias
         for a, b in zip(loss_s, loss_p):
             assert (a is None and b is None) or abs(a - b) <= 1e-6 * rel * abs(b), (loss_s, loss_p)
         assert sorted(w_s) == sorted(w_p)
@@ -102,7 +107,7 @@ def test_resume_into_another_dp(tmp_path):
 
     resumed = run_distributed(_train, 4, dp4 + ["--steps", "4", "--load", save], timeout=90.0)
     for rank in range(4):
-        losses, weights, _ = resumed[rank]
-        ref_losses, ref_weights, _ = straight[0]
+        losses, weights, _, _ = resumed[rank]
+        ref_losses, ref_weights, _, _ = straight[0]
         assert all(abs(a - b) <= 1e-6 * b for a, b in zip(losses, ref_losses[2:])), (losses, ref_losses)
         assert_close(weights, ref_weights, rel=1e-5)

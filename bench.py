@@ -71,14 +71,43 @@ def print_row(out):
     print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()), flush=True)
 
 
+KERNEL_KINDS = (("GEMM", r"nvjet|gemm|cutlass|xmma|cublas"), ("attention", r"sdpa|flash|fmha"),
+                ("Mamba kernels", r"chunk|state_passing|ssd|conv1d|layer_norm|bmm|selective"),
+                ("casts and copies", r"direct_copy|copy_kernel"), ("fused.py (compiled)", r"triton_"))
+
+
+def profile(fn, label):
+    """One call of fn under the CUDA profiler: CUDA time per kernel kind (regexes above), then the top kernels."""
+    import re
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages() if e.self_device_time_total]
+    total = sum(ms for _, ms, _ in rows)
+    kinds = {}
+    for name, ms, _ in rows:
+        kind = next((k for k, rx in KERNEL_KINDS if re.search(rx, name)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    print(f"profile {label}: {total:.1f} ms of CUDA time: " +
+          ", ".join(f"{k} {ms:.1f} ms ({ms / total:.0%})" for k, ms in sorted(kinds.items(), key=lambda x: -x[1])))
+    for name, ms, n in sorted(rows, key=lambda r: -r[1])[:25]:
+        print(f"  {ms:8.2f} ms {n:5d}x  {name[:110]}")
+
+
+def as_trained(module, dev):
+    """The optimizer train.py would build for `module` on one rank (optim.build): on CUDA bf16 weights whose
+    gradients accumulate into fp32 main_grad buffers, fp32 main weights in the optimizer."""
+    one_rank = types.SimpleNamespace(lm=types.SimpleNamespace(dp_cp=None, edp=None, tp_rank=0, etp_rank=0))
+    opt_args = argparse.Namespace(no_distributed_optimizer=False, lr=1e-5, weight_decay=0.1,
+                                  activation_checkpointing=False)
+    return optim.build(one_rank, None, module, opt_args, dev)
+
+
 def bench_lm(cfg, args, dev, peak, with_step):
     lm = model.LanguageModel(cfg).to(dev)
     model.init_weights(lm, 0, {}, cfg)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
-    one_rank = types.SimpleNamespace(lm=types.SimpleNamespace(dp_cp=None, edp=None, tp_rank=0, etp_rank=0))
-    opt_args = argparse.Namespace(no_distributed_optimizer=False, lr=1e-5, weight_decay=0.1,
-                                  activation_checkpointing=False)
-    opt = optim.build(one_rank, None, lm, opt_args, dev)   # bf16 weights on CUDA, fp32 main_grad hooks
+    opt = as_trained(lm, dev)
 
     def fwd_bwd():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -90,11 +119,8 @@ def bench_lm(cfg, args, dev, peak, with_step):
         opt.zero_grad()
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
-    if args.profile and not with_step:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fwd_bwd()
-            sync()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    if args.profile:
+        profile(fwd_bwd, "step" if with_step else "lm")
     tokens = args.batch * cfg.seq_len
     out = figures("step" if with_step else "lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len),
                   tokens, peak)
@@ -125,6 +151,7 @@ def bench_layer(kind, cfg, args, dev, peak):
     holder = torch.nn.Module()
     holder.layer = layer
     model.init_weights(holder, 0, {}, cfg)
+    opt = as_trained(holder, dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the residual stream's dtype in training
     x = torch.randn(args.batch, cfg.seq_len, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
 
@@ -132,10 +159,12 @@ def bench_layer(kind, cfg, args, dev, peak):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             y = layer.mixer(x)
         y.float().square().mean().backward()
-        layer.zero_grad(set_to_none=True)  # as a training step starts: gradients are written, not accumulated
+        opt.zero_grad()  # as a training step starts: gradients are written, not accumulated
         x.grad = None
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    if args.profile:
+        profile(fwd_bwd, "moe" if kind == "E" else "mamba")
     T, D = args.batch * cfg.seq_len, cfg.hidden_size
     if kind == "E":
         k, F_, Fs = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
@@ -168,13 +197,17 @@ def bench_vision(cfg, args, dev, peak):
     side = cfg.mock_image_size // cfg.vit_patch
     patches = torch.randn(side * side, 3 * cfg.vit_patch ** 2, device=dev)
 
+    opt = as_trained(vision, dev)
+
     def fwd_bwd():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             y = vision(patches, [(side, side)])
         y.float().square().mean().backward()
-        vision.zero_grad(set_to_none=True)
+        opt.zero_grad()
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    if args.profile:
+        profile(fwd_bwd, "vision")
     out = figures("vision", dt, mem, model.vision_flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
     return out
 
@@ -220,7 +253,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="lm,step,moe,mamba,vision")
     p.add_argument("--vs-hf", action="store_true")
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one lm fwd+bwd")
+    p.add_argument("--profile", action="store_true", help="per part: CUDA time by kernel kind and the top kernels of one call")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
     p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")
@@ -228,6 +261,8 @@ def main(argv=None):
     overrides = train.parse_overrides(rest, p.error)
     cfg = config.resolve(args.preset, overrides)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.profile and dev.type != "cuda":
+        raise SystemExit("--profile times CUDA kernels: it needs a GPU")
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     peak = train.peak_tflops(dev)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -48,7 +48,9 @@ class RMSNorm(nn.Module):
 
 @compiled_on_cuda
 def squared_relu(x):
-    return F.relu(x).square()
+    """relu(x)^2 computed in fp32, returned in x's dtype: autocast would run square (pow) in fp32 and hand the next
+    GEMM an fp32 [rows, ffn] tensor to cast back (measured: 5 ms of a 176 ms 20l step on one H100)."""
+    return F.relu(x).float().square().to(x.dtype)
 
 
 # ---------------------------------------------------------------- cross-entropy on a vocab shard

@@ -13,8 +13,8 @@ CPU runs keep fp32 weights.
 Activations: what autograd keeps for backward, counted per layer from the code (model.py, mamba.py, moe.py,
 radio.py), in bf16 with T = micro_batch x seq_len tokens per language lane; with --activation-checkpointing only each
 layer's input plus one layer's worth during its recompute. MoE assumes balanced routing (T x k / tp rows a rank).
-Peak = weights + gradients + optimizer + activations (the gradients live from the first backward to the
-reduce-scatter, across all micro-batches). Checked on the GPU by bench/memory_check.py.
+Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers are
+persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches). Checked on the GPU by bench/memory_check.py.
 """
 import json
 import os

@@ -364,13 +364,17 @@ class _DeepEPRoundTrip(torch.autograd.Function):
 
 
 def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
-    """Rows received from DeepEP (one per token and rank; local expert ids, -1 = not here) through the experts."""
+    """Rows received from DeepEP (one per token and rank; local expert ids, -1 = not here) through the experts.
+    counts (rows per local expert) is DeepEP's host list, so nothing here waits for the GPU: the -1 slots sort
+    last and the first sum(counts) of the order are the routed ones."""
     R, K = recv_idx.shape
     flat = recv_idx.reshape(-1)
-    keep = (flat >= 0).nonzero().squeeze(1)
-    order = keep[torch.argsort(flat[keep], stable=True)]
+    order = torch.argsort(torch.where(flat >= 0, flat, len(counts)), stable=True)[:sum(counts)]
     rows = order // K
-    out = expert_ffn(recv_x[rows], w_up, w_down, torch.tensor(counts))
+    cnt = torch.tensor(counts, dtype=torch.int64)
+    if recv_x.is_cuda:   # from pinned memory the copy does not wait for the stream
+        cnt = cnt.pin_memory().to(recv_x.device, non_blocking=True)
+    out = expert_ffn(recv_x[rows], w_up, w_down, cnt)
     out = out * recv_w.reshape(-1)[order, None].to(recv_x.dtype)
     return torch.zeros_like(recv_x).index_add(0, rows, out)
 

@@ -5,12 +5,13 @@ gradient is summed (vision dp for the tower, language dp-cp for dense weights, e
 parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES each), each cut into equal
 contiguous shards, one per rank of the domain. A rank keeps, for its shard only, the fp32 main weights
 and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
-  reduce_scatter_grads  fp32 bucket of gradients -> reduce-scatter (SUM) over the domain -> this rank's shard
+  reduce_scatter_grads  the bucket's fp32 gradient buffer -> reduce-scatter (SUM) over the domain -> this rank's shard
   (norm, clip: parallel.finalize_gradients on the shards; each element is counted once per model replica)
   step                  torch AdamW on the shards (elementwise, so the same numbers as unsharded AdamW), then the
                         updated shards are all-gathered and copied into the model's weights
 On CUDA those weights are bf16 (2 bytes, and no autocast cast per micro-batch), and each accumulates its
-micro-batch gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16:
+micro-batch gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16;
+each main_grad is a view of its bucket's persistent fp32 gradient buffer, which is what gets reduce-scattered:
 2 + 4 + 12 / dp bytes. A domain of one rank (experts at edp 1) has one shard, the whole bucket: 18 bytes, as
 plain AdamW's 16 plus the bf16 copy autocast keeps of every trained fp32 weight for backward. Where a one-rank
 bucket's weights stay fp32 they are views of its main weights (no second fp32 copy, nothing to gather): always on
@@ -91,6 +92,10 @@ class Bucket:
         self.shard = -(-self.offsets[-1] // self.n)
         self.lo = rank * self.shard
         self.main = self.local({id(p): p.detach() for p in params})
+        self.grad = torch.zeros(self.shard * self.n, dtype=torch.float32, device=self.main.device)
+        self.grad_views = list(self.split(self.grad).values())   # main_grad of each parameter (_accumulate_fp32)
+        for p, g in zip(params, self.grad_views):
+            p.grad_view = g
         self.alias = fp32 and self.n == 1   # the weights become views of main: AdamW updates them in place
         if self.alias:
             for p, w in zip(params, self.split(self.main).values()):
@@ -108,13 +113,6 @@ class Bucket:
         out = torch.zeros(self.shard, dtype=torch.float32, device=self.params[0].device)
         for p, a, b, s in self.segments():
             out[s:s + b - a] = tensors[id(p)].reshape(-1)[a:b]
-        return out
-
-    def flat(self, tensors):
-        """The whole padded bucket, fp32, from {id(param): tensor}."""
-        out = torch.zeros(self.shard * self.n, dtype=torch.float32, device=self.params[0].device)
-        for p, off in zip(self.params, self.offsets):
-            out[off:off + p.numel()] = tensors[id(p)].reshape(-1)
         return out
 
     def gather(self, shard):
@@ -169,17 +167,15 @@ class DistributedAdamW:
         Returns (counted, copies): the gradient pieces the global norm counts, and the other local ones."""
         counted, copies = [], []
         for b in self.buckets:
-            grads = {id(p): _grad(p) for p in b.params}
-            flat = b.flat(grads)
-            del grads
+            for p, g in zip(b.params, b.grad_views):
+                if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside)
+                    g.copy_(p.grad) if p.grad is not None else g.zero_()
+                p.grad = p.main_grad = None
             if b.n == 1:
-                b.main.grad = flat
+                b.main.grad = b.grad
             else:
                 b.main.grad = torch.empty_like(b.main)
-                _reduce_scatter(b.main.grad, flat, group=b.group)
-            del flat
-            for p in b.params:
-                p.grad = p.main_grad = None
+                _reduce_scatter(b.main.grad, b.grad, group=b.group)
             for p, a, e, s in b.segments():
                 piece = b.main.grad[s:s + e - a]
                 (counted if parallel.counted_in_replica(p, b.groups) else copies).append(piece)
@@ -194,8 +190,8 @@ class DistributedAdamW:
         self.inner.step()
         with torch.no_grad():
             for b in (b for b in self.buckets if not b.alias):
-                for p, w in zip(b.params, b.split(b.gather(b.main.to(b.params[0].dtype))).values()):
-                    p.copy_(w)
+                full = b.main if b.n == 1 else b.gather(b.main.to(b.params[0].dtype))
+                torch._foreach_copy_(b.params, list(b.split(full).values()))
 
     def zero_grad(self, set_to_none=True):
         for b in self.buckets:
@@ -232,17 +228,13 @@ class DistributedAdamW:
         self.inner.load_state_dict(sd)
 
 
-def _grad(p):
-    g = getattr(p, "main_grad", None)
-    g = p.grad if g is None else g
-    return torch.zeros_like(p, dtype=torch.float32) if g is None else g
-
-
 def _accumulate_fp32(p):
-    """Post-accumulate hook: each micro-batch's gradient goes into an fp32 main_grad at once (bf16 weights: the
-    sum over micro-batches is not rounded to bf16; fp32 weights: the same additions autograd would do)."""
+    """Post-accumulate hook: each micro-batch's gradient goes into its fp32 view of the bucket's gradient buffer
+    at once (bf16 weights: the sum over micro-batches is not rounded to bf16; fp32 weights: the same additions
+    autograd would do). main_grad is None until the step's first micro-batch writes it."""
     if getattr(p, "main_grad", None) is None:
-        p.main_grad = p.grad.float()
+        p.main_grad = p.grad_view
+        p.main_grad.copy_(p.grad)
     else:
         p.main_grad.add_(p.grad)
     p.grad = None

@@ -336,3 +336,22 @@ def test_stage_and_regex_freezing():
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)
     assert not s.requires_grad  # a frozen language model builds no graph: its gradients can only come via images
+
+
+def test_deepep_local_experts_by_hand():
+    """The DeepEP path's local step (received rows, -1 = expert elsewhere) equals a per-row loop over its experts."""
+    torch.manual_seed(0)
+    R, K, D, F_, E = 7, 3, 8, 5, 4
+    recv_x, recv_w = torch.randn(R, D), torch.rand(R, K)
+    recv_idx = torch.randint(-1, E, (R, K))
+    recv_idx[0] = -1                                      # a row routed to no local expert
+    w_up, w_down = torch.randn(E, F_, D), torch.randn(E, D, F_)
+    counts = [int((recv_idx == e).sum()) for e in range(E)]
+    out = moe._local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts)
+    ref = torch.zeros(R, D)
+    for r in range(R):
+        for k in range(K):
+            e = recv_idx[r, k]
+            if e >= 0:
+                ref[r] += recv_w[r, k] * (F.relu(recv_x[r] @ w_up[e].T).square() @ w_down[e].T)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

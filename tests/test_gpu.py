@@ -246,3 +246,56 @@ def test_distributed_optimizer_two_gpus_tracks_plain(tmp_path):
     plain = _torchrun(2, argv + ["--no-distributed-optimizer"], tmp_path, "plain")
     assert all(abs(a - b) < 2e-2 * b for a, b in zip(sharded, plain)), (sharded, plain)
     assert sharded[-1] < sharded[0]
+
+
+DEEPEP_CHECK = """
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+import config, model, moe
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(rank)
+group = dist.new_group([0, 1])
+cfg = config.resolve("20l", {"n_routed_experts": "16"})   # width 2688, 16 experts (8 a rank), top 6
+gen = torch.Generator("cuda").manual_seed(100 + rank)
+x = torch.randn(1, 4096, cfg.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+g = torch.randn(1, 4096, cfg.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+out = {}
+for name in ("alltoall", "deepep"):
+    layer = moe.MoE(cfg, None, group, None, name).cuda()
+    holder = torch.nn.Module()
+    holder.mixer = layer
+    model.init_weights(holder, 0, {"ep": (rank, 2)}, cfg)
+    layer.to(torch.bfloat16)
+    xi = x.clone().requires_grad_()
+    for _ in range(2):   # the second call runs with DeepEP's buffer made; it is the one compared
+        xi.grad = None
+        layer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.backward(g)
+    out[name] = [y.float(), xi.grad.float(), layer.experts.up_proj.grad.float(),
+                 layer.experts.down_proj.grad.float(), layer.gate.weight.grad.float()]
+err = [((a - b).norm() / b.norm()).item() for a, b in zip(out["deepep"], out["alltoall"])]
+if rank == 0:
+    print("DEEPEP_ERR " + json.dumps(err), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_deepep_equals_alltoall_two_gpus(tmp_path):
+    """--moe-dispatcher deepep on ep 2: the MoE layer's output and the gradients of its input, experts and router
+    equal the all_to_all path's to bf16 rounding (they sum the same rows in another order)."""
+    pytest.importorskip("deep_ep")
+    import json
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "deepep_check.py"
+    script.write_text(DEEPEP_CHECK)
+    out = subprocess.run(["torchrun", "--nproc_per_node=2", str(script)], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    err = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("DEEPEP_ERR "))[11:])
+    assert max(err) < 2e-2, err

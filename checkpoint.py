@@ -120,26 +120,29 @@ def _read_latest(root):
 def _snapshot(par, modules, opt, copy):
     """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async)."""
     # the distributed optimizer's state is sharded over dp: gathered (collective), with its fp32 main weights,
-    # which are then saved as the trained weights (the model's may be their bf16 rounding)
-    states = opt.gather_state() if hasattr(opt, "gather_state") else None
-    params = opt.params() if states is not None else [p for g in opt.param_groups for p in g["params"]] if opt else []
+    # which are then saved as the trained weights (the model's may be their bf16 rounding). Only the slices this
+    # rank writes (the copy the grad norm counts: dp / edp rank 0, one per slice) come to its CPU, as private copies
+    entries = [e for e in _entries(par, modules) if parallel._unique_here(e[1], e[2])]
+    sharded = hasattr(opt, "gather_state")
+    states = opt.gather_state({id(e[1]) for e in entries}) if sharded else None
+    params = opt.params() if sharded else [p for g in opt.param_groups for p in g["params"]] if opt else []
     trained = {id(p) for p in params}
     cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
+    gathered = (lambda t: t) if sharded else cpu
     files, specs = {}, {}
-    for name, t, groups, coords, sizes in _entries(par, modules):
-        if not parallel._unique_here(t, groups):   # the copy the grad norm counts: dp / edp rank 0, one per slice
-            continue
+    for name, t, groups, coords, sizes in entries:
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        w = states[id(t)]["main"] if states is not None and id(t) in trained else t
+        w = states[id(t)]["main"] if sharded and id(t) in trained else t
         specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
-        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = cpu(w)
+        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = \
+            gathered(w) if sharded and id(t) in trained else cpu(w)
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
-            st = states[id(t)] if states is not None else opt.state.get(t, {})
+            st = states[id(t)] if sharded else opt.state.get(t, {})
             out = files.setdefault(_shard_file("optim", name, shards, coords), {})
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = cpu(st[key]) if key in st else torch.zeros(t.shape, dtype=w.dtype)
-            out[f"{name}.step"] = cpu(st["step"]).float() if "step" in st else torch.tensor(0.0)
+                out[f"{name}.{key}"] = gathered(st[key]) if key in st else torch.zeros(t.shape, dtype=w.dtype)
+            out[f"{name}.step"] = gathered(st["step"]).float() if "step" in st else torch.tensor(0.0)
     return files, specs
 
 

@@ -199,9 +199,10 @@ class DistributedAdamW:
             for p in b.params:
                 p.grad = p.main_grad = None
 
-    def gather_state(self):
-        """{id(param): {"main", "exp_avg", "exp_avg_sq": full fp32 (this rank's tp / ep slice) on the CPU, "step"}}.
-        Collective over every bucket's group (all ranks of the domains call it, in the same bucket order)."""
+    def gather_state(self, wanted=None):
+        """{id(param): {"main", "exp_avg", "exp_avg_sq": full fp32 (this rank's tp / ep slice) on the CPU, "step"}},
+        for the parameters in `wanted` (ids; None: all). Collective over every bucket's group (all ranks of the
+        domains call it, in the same bucket order); only the wanted parameters are copied to the CPU."""
         out = {}
         for b in self.buckets:
             st = self.inner.state.get(b.main, {})
@@ -209,7 +210,8 @@ class DistributedAdamW:
             for key in ("main", "exp_avg", "exp_avg_sq"):
                 shard = b.main.detach() if key == "main" else st.get(key, torch.zeros_like(b.main))
                 for p, t in zip(b.params, b.split(b.gather(shard)).values()):
-                    out.setdefault(id(p), {"step": step.clone()})[key] = t.to("cpu", copy=True)
+                    if wanted is None or id(p) in wanted:
+                        out.setdefault(id(p), {"step": step.clone()})[key] = t.to("cpu", copy=True)
         return out
 
     def load(self, mains, states=None):

@@ -403,23 +403,24 @@ def allreduce_grads(params, group, bucket_bytes=BUCKET_BYTES):
     Every rank of the group must pass the same parameters in the same order. A missing .grad becomes zeros, also
     without a group: all ranks post identical buckets (an expert no token reached, an encoder that saw only text
     still takes part), and every trainable parameter steps alike on any layout (AdamW's decay included, as with
-    Megatron's gradient buffers).
+    Megatron's gradient buffers). A parameter's fp32 `main_grad` (optim.py), where it has one, is the gradient.
     """
     params = [p for p in params if p.requires_grad]
     for p in params:
-        if p.grad is None:
+        if p.grad is None and getattr(p, "main_grad", None) is None:
             p.grad = torch.zeros_like(p)
     if group is None or dist.get_world_size(group) == 1 or not params:
         return
+    grads = [p.grad if getattr(p, "main_grad", None) is None else p.main_grad for p in params]
     bucket, size = [], 0
-    for i, p in enumerate(params):
-        bucket.append(p)
-        size += p.numel() * 4
-        if size >= bucket_bytes or i == len(params) - 1:
-            flat = torch.cat([q.grad.reshape(-1).float() for q in bucket])
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        size += g.numel() * 4
+        if size >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([t.reshape(-1).float() for t in bucket])
             dist.all_reduce(flat, group=group)
-            for q, g in zip(bucket, flat.split([q.numel() for q in bucket])):
-                q.grad.copy_(g.view_as(q.grad))
+            for t, r in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(r.view_as(t))
             bucket, size = [], 0
 
 
@@ -523,11 +524,8 @@ def finalize_gradients(par, vision_params, lm_params, n_global, max_norm, opt=No
     vision_params = list(vision_params) if par.vision is not None else []
     lm_params = list(lm_params) if par.lm is not None else []
     for m, params in ((par.vision, vision_params), (par.lm, lm_params)):
-        for p in params:   # LoRA adapters whose gradient is a partial sum per tp rank (lora.py)
-            if getattr(p, "tp_partial", False) and p.requires_grad and m.tp_size > 1:
-                if p.grad is None and getattr(p, "main_grad", None) is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad if getattr(p, "main_grad", None) is None else p.main_grad, group=m.tp)
+        if m is not None and m.tp_size > 1:   # LoRA adapters whose gradient is a partial sum per tp rank (lora.py)
+            allreduce_grads([p for p in params if getattr(p, "tp_partial", False)], m.tp)
     if sharded:
         lists = opt.reduce_scatter_grads()
         grads = opt.shard_grads()

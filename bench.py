@@ -251,7 +251,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--parts", default="lm,step,moe,mamba,vision")
+    p.add_argument("--parts", default="lm,step,moe,mamba,vision,train")
     p.add_argument("--vs-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="per part: CUDA time by kernel kind and the top kernels of one call")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")

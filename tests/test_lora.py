@@ -8,7 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
-import config
 import hf_interop
 import lora
 import model

@@ -266,7 +266,8 @@ for name in ("alltoall", "deepep"):
     holder = torch.nn.Module()
     holder.mixer = layer
     model.init_weights(holder, 0, {"ep": (rank, 2)}, cfg)
-    layer.to(torch.bfloat16)
+    for p in layer.parameters():   # bf16 weights as training has them; the expert bias buffer stays fp32
+        p.data = p.data.to(torch.bfloat16)
     xi = x.clone().requires_grad_()
     for _ in range(2):   # the second call runs with DeepEP's buffer made; it is the one compared
         xi.grad = None

@@ -47,12 +47,17 @@ def sizing_model(cfg, args):
 
 
 def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
-    """{"vision" | "language": {"weights", "gradients", "optimizer", "casts"}} bytes of one rank of that module."""
+    """{"vision" | "language": {"weights", "gradients", "optimizer", "casts", "setup"}} bytes of one rank of that
+    module. setup: the set-up peak, before optim.build casts to bf16: every local weight in fp32, and for the
+    language model the two full-size fp32 tensors model.init_weights holds while it draws its largest parameter
+    (randn, then scaled; on the device: the tower is drawn on the CPU)."""
     modules = sizing_model(cfg, args)
     out = {}
     for kind, module in modules.items():
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
-        b = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0}
+        b = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0, "setup": 0.0}
+        if kind == "language":
+            b["setup"] = 8 * max(p.numel() for p in module.parameters())   # the sizing model's are full size
         for p in module.parameters():
             kinds = parallel.shard_kinds(p)
             expert = "ep" in kinds
@@ -62,6 +67,7 @@ def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
             fp32 = p.requires_grad and optim.fp32_weights(d, expert, cuda, args.activation_checkpointing)
             bf16 = distributed and cuda and not fp32
             b["weights"] += n * (2 if bf16 else 4)
+            b["setup"] += n * 4
             if p.requires_grad:
                 b["gradients"] += n * 4
                 b["optimizer"] += n * (8 if fp32 or not distributed else 12 / d)
@@ -126,23 +132,30 @@ def plan(cfg, lay, args, cuda=True):
         rows = {"vision": both, "language": dict(both)}
     for r in rows.values():
         r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"]
+    for k in rows:   # set-up is apart from the training peak: it is over before the first step
+        rows[k]["setup"] = params["vision"]["setup"] + params["language"]["setup"] if lay.colocated else \
+            params[k]["setup"]
     return rows
 
 
 def check_fits(cfg, lay, args, device):
-    """Refuse a layout whose planned peak exceeds 90 % of this device's memory (CPU: RAM / local ranks)."""
+    """Refuse a layout whose planned training or set-up peak exceeds 90 % of this device's memory (CPU: RAM /
+    local ranks)."""
     rows = plan(cfg, lay, args, cuda=device.type == "cuda")
-    need = max(r["peak"] for r in rows.values())
+    need, setup = max(r["peak"] for r in rows.values()), max(r["setup"] for r in rows.values())
     if device.type == "cuda":
         have = torch.cuda.get_device_properties(device).total_memory
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    if need > 0.9 * have:
-        raise SystemExit(f"error: this layout does not fit: {lay.describe()} needs {need / GIB:.1f} GiB per rank "
-                         f"(weights, gradients, optimizer state, activations), a rank here has {have / GIB:.1f} GiB. "
-                         f"Use more ranks (--lm-tp / --lm-ep / --vision-tp), --activation-checkpointing, a smaller "
-                         f"preset (tiny, small), or see `--dry-run --world-size N` for the per-rank plan.")
+    if max(need, setup) > 0.9 * have:
+        what = f"{need / GIB:.1f} GiB per rank (weights, gradients, optimizer state, activations)" if need >= setup \
+            else f"{setup / GIB:.1f} GiB per rank while it sets up (every weight is initialised in fp32 before the " \
+                 f"bf16 cast)"
+        raise SystemExit(f"error: this layout does not fit: {lay.describe()} needs {what}, a rank here has "
+                         f"{have / GIB:.1f} GiB. Use more ranks (--lm-tp / --lm-ep / --vision-tp), "
+                         f"--activation-checkpointing, a smaller preset (tiny, small), or see "
+                         f"`--dry-run --world-size N` for the per-rank plan.")
 
 
 def dry_run(cfg, lay, args):
@@ -155,7 +168,8 @@ def dry_run(cfg, lay, args):
     rows = plan(cfg, lay, args)
     opt = "plain AdamW, fp32 weights" if args.no_distributed_optimizer else "distributed optimizer, bf16 weights"
     print(f"memory plan per rank on CUDA ({opt}; micro-batch {args.micro_batch} x seq_len {cfg.seq_len}, "
-          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}), GiB:")
+          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}; setup: the set-up peak, "
+          f"fp32 weights before the bf16 cast, over before the first step), GiB:")
     for kind, r in rows.items():
         print(f"  {kind:8s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
     print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,

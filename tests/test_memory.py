@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import config
@@ -54,6 +55,8 @@ def test_language_rank_by_hand():
     assert (block + attn, block + moe) == (75648, 178560)
     assert lang["activations"] == (block + attn) + (block + moe) + head + logits == 476160
     assert lang["peak"] == 206208 + 412416 + 716928 + 476160
+    # set-up: every local weight in fp32, + init's two full-size fp32 draws of the largest (embeddings, 512 x 64)
+    assert lang["setup"] == 4 * (dense + experts) + 8 * 512 * 64 == 674560
     checkpointed, _ = plan(["--activation-checkpointing"])
     ck = checkpointed["language"]
     assert ck["activations"] == 2 * 2 * T * D + (block + moe) + head + logits
@@ -70,6 +73,7 @@ def test_vision_rank_and_plain_optimizer():
         n = sum(p.numel() for p in VisionModel(config.resolve("tiny")).parameters())
     vision = rows["vision"]                      # stage 3, vision tp1 dp2: every parameter trains, sharded over 2
     assert (vision["weights"], vision["gradients"], vision["optimizer"]) == (2 * n, 4 * n, 6 * n)
+    assert vision["setup"] == 4 * n   # drawn on the CPU, moved in fp32
     plain, _ = plan(["--no-distributed-optimizer"])   # fp32 weights, + autocast's bf16 copies kept for backward
     assert (plain["vision"]["weights"], plain["vision"]["optimizer"]) == (4 * n, 8 * n)
     assert plain["language"]["optimizer"] == 8 * (86720 + 16384)
@@ -95,3 +99,20 @@ def test_dry_run_cli_last_line():
         rows = memory.plan(cfg, lay, args)
         assert last["peak_gib_per_rank"] == {k: round(r["peak"] / 2 ** 30, 2) for k, r in rows.items()}
         assert lay.colocated == (rows["vision"] == rows["language"])
+
+
+def test_fit_check_names_the_set_up_peak(monkeypatch):
+    """LoRA with wide embeddings (8192 x 1024): the frozen base's fp32 init and init's two full-size draws of the
+    embeddings make set-up the larger peak; a rank with room for training but not for set-up is refused naming the
+    set-up (CPU: a rank's memory is RAM / LOCAL_WORLD_SIZE)."""
+    cfg, lay, args = _cfg_lay(["--lora-rank", "4", "--hidden-size", "1024", "--vocab-size", "8192"])
+    rows = memory.plan(cfg, lay, args, cuda=False)
+    peak, setup = max(r["peak"] for r in rows.values()), max(r["setup"] for r in rows.values())
+    assert setup > peak
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(0.9 * ram / ((peak + setup) / 2))))
+    with pytest.raises(SystemExit) as e:
+        memory.check_fits(cfg, lay, args, torch.device("cpu"))
+    assert "while it sets up" in str(e.value) and "initialised in fp32" in str(e.value), str(e.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(0.9 * ram / (setup * 1.01))))
+    memory.check_fits(cfg, lay, args, torch.device("cpu"))   # room for both: passes

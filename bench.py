@@ -253,7 +253,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--parts", default="lm,step,moe,mamba,vision,train")
     p.add_argument("--vs-hf", action="store_true")
-    p.add_argument("--profile", action="store_true", help="per part: CUDA time by kernel kind and the top kernels of one call")
+    p.add_argument("--profile", action="store_true",
+                   help="per part: CUDA time by kernel kind and the top kernels of one call")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
     p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -78,7 +79,6 @@ KERNEL_KINDS = (("GEMM", r"nvjet|gemm|cutlass|xmma|cublas"), ("attention", r"sdp
 
 def profile(fn, label):
     """One call of fn under the CUDA profiler: CUDA time per kernel kind (regexes above), then the top kernels."""
-    import re
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         sync()

@@ -128,21 +128,19 @@ def _snapshot(par, modules, opt, copy):
     params = opt.params() if sharded else [p for g in opt.param_groups for p in g["params"]] if opt else []
     trained = {id(p) for p in params}
     cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
-    gathered = (lambda t: t) if sharded else cpu
     files, specs = {}, {}
     for name, t, groups, coords, sizes in entries:
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        w = states[id(t)]["main"] if sharded and id(t) in trained else t
+        w = states[id(t)]["main"] if sharded and id(t) in trained else cpu(t)
         specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
-        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = \
-            gathered(w) if sharded and id(t) in trained else cpu(w)
+        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = w
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
-            st = states[id(t)] if sharded else opt.state.get(t, {})
+            st = states[id(t)] if sharded else {k: cpu(v) for k, v in opt.state.get(t, {}).items()}
             out = files.setdefault(_shard_file("optim", name, shards, coords), {})
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = gathered(st[key]) if key in st else torch.zeros(t.shape, dtype=w.dtype)
-            out[f"{name}.step"] = gathered(st["step"]).float() if "step" in st else torch.tensor(0.0)
+                out[f"{name}.{key}"] = st[key] if key in st else torch.zeros(t.shape, dtype=w.dtype)
+            out[f"{name}.step"] = st["step"].float() if "step" in st else torch.tensor(0.0)
     return files, specs
 
 

@@ -128,15 +128,13 @@ def plan(cfg, lay, args, cuda=True):
     act = {"vision": vision_activation_bytes(cfg, lay, args.stage, args.train_layers),
            "language": language_activation_bytes(cfg, lay, args.micro_batch, args.activation_checkpointing)}
     rows = {k: {"weights": params[k]["weights"], "gradients": params[k]["gradients"],
-                "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"]} for k in params}
+                "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"],
+                "setup": params[k]["setup"]} for k in params}   # setup: apart from the training peak
     if lay.colocated:
         both = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
         rows = {"vision": both, "language": dict(both)}
     for r in rows.values():
         r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"]
-    for k in rows:   # set-up is apart from the training peak: it is over before the first step
-        rows[k]["setup"] = params["vision"]["setup"] + params["language"]["setup"] if lay.colocated else \
-            params[k]["setup"]
     return rows
 
 

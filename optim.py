@@ -93,9 +93,8 @@ class Bucket:
         self.lo = rank * self.shard
         self.main = self.local({id(p): p.detach() for p in params})
         self.grad = torch.zeros(self.shard * self.n, dtype=torch.float32, device=self.main.device)
-        self.grad_views = list(self.split(self.grad).values())   # main_grad of each parameter (_accumulate_fp32)
-        for p, g in zip(params, self.grad_views):
-            p.grad_view = g
+        for p, g in zip(params, self.split(self.grad).values()):
+            p.grad_view = g   # its main_grad once a micro-batch reaches it (_accumulate_fp32)
         self.alias = fp32 and self.n == 1   # the weights become views of main: AdamW updates them in place
         if self.alias:
             for p, w in zip(params, self.split(self.main).values()):
@@ -167,9 +166,9 @@ class DistributedAdamW:
         Returns (counted, copies): the gradient pieces the global norm counts, and the other local ones."""
         counted, copies = [], []
         for b in self.buckets:
-            for p, g in zip(b.params, b.grad_views):
+            for p in b.params:
                 if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside)
-                    g.copy_(p.grad) if p.grad is not None else g.zero_()
+                    p.grad_view.copy_(p.grad) if p.grad is not None else p.grad_view.zero_()
                 p.grad = p.main_grad = None
             if b.n == 1:
                 b.main.grad = b.grad

@@ -39,7 +39,8 @@ def _train(rank, world, argv, bucket_bytes=None):
         optim.build = real
     opt = built[0]
     aliased = [b for b in getattr(opt, "buckets", []) if b.alias]   # CPU: the one-rank (edp 1) buckets
-    views = all(p.untyped_storage().data_ptr() == b.main.untyped_storage().data_ptr() for b in aliased for p in b.params)
+    views = all(p.untyped_storage().data_ptr() == b.main.untyped_storage().data_ptr()
+                for b in aliased for p in b.params)
     return [h["loss"] for h in history], full_state(modules), type(opt).__name__, (len(aliased), views)
 
 

@@ -73,7 +73,8 @@ def print_row(out):
 
 
 KERNEL_KINDS = (("GEMM", r"nvjet|gemm|cutlass|xmma|cublas"), ("attention", r"sdpa|flash|fmha"),
-                ("Mamba kernels", r"chunk|state_passing|ssd|conv1d|layer_norm|bmm|selective"),
+                ("Mamba kernels", r"chunk|state_passing|ssd|conv1d|_layer_norm_(fwd|bwd)|bmm|selective"),
+                ("norms", r"layer_norm|rms_norm|GammaBeta"),
                 ("casts and copies", r"direct_copy|copy_kernel"), ("fused.py (compiled)", r"triton_"))
 
 

@@ -1,4 +1,5 @@
-"""Memory-bound passes written once in plain PyTorch; on CUDA each runs as one torch.compile'd (Triton) kernel.
+"""Memory-bound passes written once in plain PyTorch; on CUDA each runs as one torch.compile'd (Triton) kernel,
+except the norms, whose torch kernels already are one pass (see rms_norm).
 
 Eager PyTorch runs every op of these as its own kernel with a full-size intermediate in device memory (the
 cross-entropy alone wrote and re-read the fp32 logits about ten times). The functions below are the only
@@ -28,10 +29,19 @@ def compiled_on_cuda(fn):
     return call
 
 
-@compiled_on_cuda
 def rms_norm(x, weight, eps):
-    """RMSNorm in fp32 whatever the activation dtype; the result in the input's dtype."""
-    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+    """RMSNorm in the input's dtype: torch's kernel accumulates in fp32 whatever the dtype. Autocast off: it would
+    run the norm on an fp32 copy and hand the next GEMM an fp32 tensor to cast back. Not compiled: on one H100,
+    bf16 [8192, 2688], fwd+bwd took 0.55 ms compiled (all of it host time, the GPU waiting) and 0.18 ms here."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+
+
+def layer_norm(x, norm):
+    """nn.LayerNorm `norm` applied like rms_norm (the vision tower's: bf16 [16394, 1280] fwd+bwd on one H100 took
+    0.68 ms under autocast, 0.29 ms here)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
 
 
 class RMSNorm(nn.Module):

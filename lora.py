@@ -39,6 +39,10 @@ def apply(modules, args, par=None, seed=0):
             p.requires_grad_(False)
         for name, sub in list(module.named_modules()):
             full = f"{key}.{name}"
+            if isinstance(sub, nn.Linear) and targets.search(full) and key == "vision" and \
+                    name.endswith(("attn.proj", "mlp.fc2")) and par is not None and par.vision.tp_size > 1:
+                raise SystemExit(f"error: LoRA on {full} (row-parallel, its bias added after the tp sum) needs "
+                                 "--vision-tp 1. Narrow --lora-targets or use --vision-tp 1.")
             if isinstance(sub, nn.Linear) and targets.search(full):
                 _attach_linear(sub, r, scale)
             elif isinstance(sub, moe.Experts) and targets.search(full + ".up_proj"):

@@ -121,13 +121,19 @@ class Block(nn.Module):
 
     def forward(self, x_SC, seqlens):
         S, g = x_SC.shape[0], self.tp_group
-        y_SC = comm.copy_to(self.norm1(x_SC), g)
+        y_SC = comm.copy_to(fused.layer_norm(x_SC, self.norm1), g)
         q, k, v = self.attn.qkv(y_SC).view(S, 3, self.heads, self.hd).unbind(1)  # scale = hd^-0.5 (SDPA default)
         o_SX = packed_attention(q, k, v, seqlens).reshape(S, self.heads * self.hd)
-        x_SC = x_SC + comm.reduce_from(F.linear(o_SX, self.attn.proj.weight), g) + self.attn.proj.bias
-        y_SC = comm.copy_to(self.norm2(x_SC), g)
+        x_SC = x_SC + self.row_parallel(self.attn.proj, o_SX)
+        y_SC = comm.copy_to(fused.layer_norm(x_SC, self.norm2), g)
         h_SM = F.gelu(self.mlp.fc1(y_SC))                                        # exact erf GELU
-        return x_SC + comm.reduce_from(F.linear(h_SM, self.mlp.fc2.weight), g) + self.mlp.fc2.bias
+        return x_SC + self.row_parallel(self.mlp.fc2, h_SM)
+
+    def row_parallel(self, linear, x):
+        """The bias is added once, after the sum over tp ranks; on one rank inside the GEMM (no extra pass)."""
+        if comm.group_size(self.tp_group) == 1:
+            return linear(x)
+        return comm.reduce_from(F.linear(x, linear.weight), self.tp_group) + linear.bias
 
 
 # ---------------------------------------------------------------- pixel shuffle (spec §8)

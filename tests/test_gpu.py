@@ -119,18 +119,26 @@ def test_vision_cuda_attention_path_matches_cpu_fp32():
 @cuda
 def test_fused_kernels_compiled_match_eager():
     """Each fused.* function: its torch.compile'd CUDA version == the same function run eagerly (bf16 inputs,
-    fp32 math inside both), values and gradients."""
+    fp32 math inside both), values and gradients; the norms (not compiled) == themselves on fp32 copies."""
     import fused
     torch.manual_seed(0)
     x = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (1 + 0.1 * torch.randn(256, device="cuda")).requires_grad_()
-    for fn, args in ((fused.rms_norm, (x, w, 1e-5)), (fused.squared_relu, (x,))):
-        tensors = [a for a in args if torch.is_tensor(a)]
-        out, ref = fn(*args), fn.__wrapped__(*args)
+    ln = torch.nn.LayerNorm(256, eps=1e-6, device="cuda")
+    with torch.no_grad():
+        ln.weight.add_(0.1 * torch.randn(256, device="cuda")), ln.bias.add_(0.1 * torch.randn(256, device="cuda"))
+    ln16 = torch.nn.LayerNorm(256, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    ln16.load_state_dict(ln.state_dict())
+    # the norms: bf16 in, torch's kernels (no compile) == the same function on fp32 copies (the CPU's math)
+    cases = ((fused.squared_relu, (x,), fused.squared_relu.__wrapped__, (x,)),
+             (fused.rms_norm, (x, w.bfloat16(), 1e-5), fused.rms_norm, (x.float(), w, 1e-5)),
+             (fused.layer_norm, (x, ln16), fused.layer_norm, (x.float(), ln)))
+    for fn, args, ref_fn, ref_args in cases:
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # as the models call them
+            out, ref = fn(*args), ref_fn(*ref_args)
+        assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2, fn
         g = torch.randn_like(out)
-        for a, b in zip(torch.autograd.grad(out, tensors, g), torch.autograd.grad(ref, tensors, g)):
-            assert rel_err(a, b) < 1e-2, fn.__name__
-        assert rel_err(out, ref) < 1e-2, fn.__name__
+        assert rel_err(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g.to(ref.dtype))[0]) < 1e-2, fn
 
     N, V, T, K = 64, 1000, 50, 3
     logits = torch.randn(N, V, device="cuda").to(torch.bfloat16)

@@ -99,3 +99,34 @@ def test_resume_merged_export_and_adapters_only(tmp_path, one_process):
     assert json.load(open(os.path.join(out, "adapter_config.json")))["lora_rank"] == 4
     hf_interop.main(["export-hf", "--load", save, "--out", str(tmp_path / "hf")])   # merged: an HF directory
     assert os.path.exists(os.path.join(tmp_path, "hf", "config.json"))
+
+
+def test_vision_row_parallel_adapter_applies_at_tp1_and_is_refused_at_tp2():
+    """attn.proj / mlp.fc2 add their bias after the tp sum: at vision tp 1 an adapter there changes the output by
+    exactly scale * B A x; at tp 2 the layout is refused by name (it would be skipped)."""
+    import types
+    from radio import VisionModel
+    cfg = train.config.resolve("tiny")
+    args = types.SimpleNamespace(moe_dispatcher="alltoall", lora_targets=r"blocks\.0\.attn\.proj$", lora_rank=2,
+                                 lora_alpha=4)
+    torch.manual_seed(0)
+    vision = VisionModel(cfg)
+    blk = vision.blocks[0]
+    x = torch.randn(20, cfg.vit_hidden)
+    seen = []
+    record = lambda m, inp, out: seen.append((inp[0], out))   # noqa: E731  (after LoRA's hook: the sum)
+    h = blk.attn.proj.register_forward_hook(record)
+    blk(x, [20])
+    h.remove()
+    lora.apply({"vision": vision}, args)
+    p = blk.attn.proj
+    with torch.no_grad():
+        p.lora_A.normal_(), p.lora_B.normal_()
+    p.register_forward_hook(record)
+    blk(x, [20])
+    (x0, before), (x1, after) = seen
+    assert torch.equal(x0, x1) and not torch.allclose(after, before)
+    assert torch.allclose(after - before, x1 @ p.lora_A.T @ p.lora_B.T * 2.0, atol=1e-5)
+    tp2 = types.SimpleNamespace(lm=None, vision=types.SimpleNamespace(tp_size=2))
+    with pytest.raises(SystemExit, match=r"vision\.blocks\.0\.attn\.proj .*--vision-tp 1"):
+        lora.apply({"vision": VisionModel(cfg)}, args, par=tp2)

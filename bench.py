@@ -104,10 +104,11 @@ def as_trained(module, dev):
     return optim.build(one_rank, None, module, opt_args, dev)
 
 
-def bench_lm(cfg, args, dev, peak, with_step):
+def lm_fwd_bwd(cfg, batch, dev, with_step=False):
+    """A language model as train.py keeps it (as_trained) and its fwd+bwd (+ optimizer step) on random ids."""
     lm = model.LanguageModel(cfg).to(dev)
     model.init_weights(lm, 0, {}, cfg)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=dev)
     opt = as_trained(lm, dev)
 
     def fwd_bwd():
@@ -118,7 +119,11 @@ def bench_lm(cfg, args, dev, peak, with_step):
             opt.reduce_scatter_grads()
             opt.step()
         opt.zero_grad()
+    return fwd_bwd
 
+
+def bench_lm(cfg, args, dev, peak, with_step):
+    fwd_bwd = lm_fwd_bwd(cfg, args.batch, dev, with_step)
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     if args.profile:
         profile(fwd_bwd, "step" if with_step else "lm")

@@ -39,10 +39,6 @@ def apply(modules, args, par=None, seed=0):
             p.requires_grad_(False)
         for name, sub in list(module.named_modules()):
             full = f"{key}.{name}"
-            if isinstance(sub, nn.Linear) and targets.search(full) and key == "vision" and \
-                    name.endswith(("attn.proj", "mlp.fc2")) and par is not None and par.vision.tp_size > 1:
-                raise SystemExit(f"error: LoRA on {full} (row-parallel, its bias added after the tp sum) needs "
-                                 "--vision-tp 1. Narrow --lora-targets or use --vision-tp 1.")
             if isinstance(sub, nn.Linear) and targets.search(full):
                 _attach_linear(sub, r, scale)
             elif isinstance(sub, moe.Experts) and targets.search(full + ".up_proj"):
@@ -82,10 +78,14 @@ def _attach_linear(lin, r, scale):
         comm.mark_shard(lin.lora_A, ("tp", 1, tp[2]))
         lin.lora_B.tp_partial = True
     lin.lora_scale = scale
-    lin.register_forward_hook(_linear_hook)
+    lin.register_forward_hook(add_adapter)
 
 
-def _linear_hook(lin, inputs, out):
+def add_adapter(lin, inputs, out):
+    """out + scale * B (A x): the forward hook of an adapted Linear. A caller that applies the weight itself (the
+    vision tower's row-parallel layers, whose bias comes after the tp sum) calls it directly, before its reduce."""
+    if not hasattr(lin, "lora_A"):
+        return out
     return out + F.linear(F.linear(inputs[0], lin.lora_A), lin.lora_B) * lin.lora_scale
 
 

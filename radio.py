@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import comm
 import fused
+import lora
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -130,10 +131,12 @@ class Block(nn.Module):
         return x_SC + self.row_parallel(self.mlp.fc2, h_SM)
 
     def row_parallel(self, linear, x):
-        """The bias is added once, after the sum over tp ranks; on one rank inside the GEMM (no extra pass)."""
+        """The bias is added once, after the sum over tp ranks; on one rank inside the GEMM (no extra pass). A LoRA
+        adapter's partial product goes through the same sum (lora.py's row-parallel rule)."""
         if comm.group_size(self.tp_group) == 1:
             return linear(x)
-        return comm.reduce_from(F.linear(x, linear.weight), self.tp_group) + linear.bias
+        y = lora.add_adapter(linear, (x,), F.linear(x, linear.weight))
+        return comm.reduce_from(y, self.tp_group) + linear.bias
 
 
 # ---------------------------------------------------------------- pixel shuffle (spec §8)

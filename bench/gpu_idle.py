@@ -20,7 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 import config  # noqa: E402
-import model  # noqa: E402
 import train  # noqa: E402
 
 
@@ -31,18 +30,7 @@ def main():
     cfg = config.resolve(args.preset, train.parse_overrides(rest, p.error))
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_idle.py profiles CUDA kernels: it needs a GPU")
-    dev = torch.device("cuda")
-    lm = model.LanguageModel(cfg).to(dev)
-    model.init_weights(lm, 0, {}, cfg)
-    ids = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device=dev)
-    opt = bench.as_trained(lm, dev)
-
-    def fwd_bwd():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            s, n = lm.loss_sum(lm(lm.embed(ids)), ids)
-        (s / n).backward()
-        opt.zero_grad()
-
+    fwd_bwd = bench.lm_fwd_bwd(cfg, 1, torch.device("cuda"))
     for _ in range(3):
         fwd_bwd()
     torch.cuda.synchronize()

@@ -16,9 +16,10 @@ from tests.spawn import run_distributed
 from tests import test_train
 from tests.test_train import assert_step_matches, full_state
 
-# every default target: attention, Mamba in/out, dense MLP, shared experts, routed experts; and the projector
+# every default target: attention, Mamba in/out, dense MLP, shared experts, routed experts; the projector and the
+# tower's row-parallel layers
 LORA = ["--preset", "tiny", "--global-batch", "4", "--lr", "1e-2", "--lr-schedule", "constant", "--lora-rank", "4",
-        "--lora-alpha", "8", "--lora-targets", lora.TARGETS[:-2] + r"|mlp1\.(1|3))$"]
+        "--lora-alpha", "8", "--lora-targets", lora.TARGETS[:-2] + r"|mlp1\.(1|3)|attn\.proj|mlp\.fc2)$"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,6 +45,7 @@ def test_only_adapters_train(one_process):
     assert {k.rsplit(".", 1)[-1] for k in adapters} == {"lora_A", "lora_B", "lora_up_A", "lora_up_B",
                                                         "lora_down_A", "lora_down_B"}
     assert any(k.startswith("vision.mlp1.") for k in adapters) and any(".experts." in k for k in adapters)
+    assert any(k.endswith("attn.proj.lora_B") for k in adapters) and any(k.endswith("mlp.fc2.lora_A") for k in adapters)
     for k in after:
         if k.endswith("e_score_correction_bias"):
             continue   # moved by the balancing rule, not by a gradient
@@ -58,9 +60,9 @@ def test_tp2_ep2_equals_one_process():
     weights equal one process's. (Over more steps AdamW amplifies last-bit differences of near-zero gradients.)"""
     one = LORA + ["--steps", "1", "--lr", "3e-4"]       # test_train.ONE_STEP's lr
     (ref,) = run_distributed(test_train._train, 1, one)
-    results = run_distributed(test_train._train, 4, one + ["--colocated", "--lm-tp", "2",
-                                                             "--lm-ep", "2"], timeout=90.0)
-    assert_step_matches(results, ref, "lora tp2 ep2")
+    results = run_distributed(test_train._train, 4, one + ["--colocated", "--lm-tp", "2", "--lm-ep", "2",
+                                                             "--vision-tp", "2"], timeout=90.0)
+    assert_step_matches(results, ref, "lora tp2 ep2, vision tp2")
     assert all(g.abs().max() > 0 for k, g in ref[2].items() if "lora_" in k and k.endswith("B"))   # A: 0, as B = 0
 
 
@@ -101,9 +103,9 @@ def test_resume_merged_export_and_adapters_only(tmp_path, one_process):
     assert os.path.exists(os.path.join(tmp_path, "hf", "config.json"))
 
 
-def test_vision_row_parallel_adapter_applies_at_tp1_and_is_refused_at_tp2():
-    """attn.proj / mlp.fc2 add their bias after the tp sum: at vision tp 1 an adapter there changes the output by
-    exactly scale * B A x; at tp 2 the layout is refused by name (it would be skipped)."""
+def test_vision_row_parallel_adapter_applies_at_tp1():
+    """attn.proj / mlp.fc2 (bias inside the GEMM at vision tp 1): an adapter there changes the layer's output by
+    exactly scale * B A x (vision tp 2: test_tp2_ep2_equals_one_process)."""
     import types
     from radio import VisionModel
     cfg = train.config.resolve("tiny")
@@ -127,6 +129,3 @@ def test_vision_row_parallel_adapter_applies_at_tp1_and_is_refused_at_tp2():
     (x0, before), (x1, after) = seen
     assert torch.equal(x0, x1) and not torch.allclose(after, before)
     assert torch.allclose(after - before, x1 @ p.lora_A.T @ p.lora_B.T * 2.0, atol=1e-5)
-    tp2 = types.SimpleNamespace(lm=None, vision=types.SimpleNamespace(tp_size=2))
-    with pytest.raises(SystemExit, match=r"vision\.blocks\.0\.attn\.proj .*--vision-tp 1"):
-        lora.apply({"vision": VisionModel(cfg)}, args, par=tp2)

@@ -99,9 +99,7 @@ def as_trained(module, dev):
     """The optimizer train.py would build for `module` on one rank (optim.build): on CUDA bf16 weights whose
     gradients accumulate into fp32 main_grad buffers, fp32 main weights in the optimizer."""
     one_rank = types.SimpleNamespace(lm=types.SimpleNamespace(dp_cp=None, edp=None, tp_rank=0, etp_rank=0))
-    opt_args = argparse.Namespace(no_distributed_optimizer=False, lr=1e-5, weight_decay=0.1,
-                                  activation_checkpointing=False)
-    return optim.build(one_rank, None, module, opt_args, dev)
+    return optim.build(one_rank, None, module, config.Config(lr=1e-5, weight_decay=0.1), dev)
 
 
 def lm_fwd_bwd(cfg, batch, dev, with_step=False):
@@ -265,8 +263,7 @@ def main(argv=None):
     p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
-    overrides = train.parse_overrides(rest, p.error)
-    cfg = config.resolve(args.preset, overrides)
+    cfg, overrides = train.config_of(["--preset", args.preset] + rest), " ".join(rest)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.profile and dev.type != "cuda":
         raise SystemExit("--profile times CUDA kernels: it needs a GPU")

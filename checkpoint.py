@@ -9,10 +9,12 @@ training (sharded) and by the offline tools (full tensors: save_model; hf_intero
     optim.{module}.{shard}.safetensors  AdamW state of trainable parameters, sharded like them: NAME.exp_avg,
                          NAME.exp_avg_sq, NAME.step. Frozen parameters have none.
     rank_00003.json      global rank 3: RNG states (python, numpy, torch CPU / CUDA) and its data-loader state
-    config.json          the resolved Config
+    config.json          the run record: the whole Config of the run (resume.py restores it with --load)
+    tokenizer/           the run's HF tokenizer, a copy (absent for the byte-level one)
+    source/              the HF directory the run started from, what export-hf carries through (hf_interop.py)
     meta.json            written after every rank's files, so without it a step is an interrupted save: counters
                          (step, good_steps, consumed_samples, skipped; the LR schedule is a function of them and of
-                         the saved `scheduler` args), layout, data position of every language lane, train args,
+                         the Config), the run's lineage (resume.py), layout, data position of every language lane,
                          every tensor's full shape / dtype / sharding, every file's tensors with their crc32.
 Loading assembles a tensor from the saved slices (comm.unshard; the saving layout is in meta.json) and keeps this
 rank's slice (comm.shard): any layout loads any other, and with an unchanged layout a rank reads only its own files.
@@ -39,14 +41,11 @@ import config
 import model
 import parallel
 
-CONFIG_NAME, META_NAME = "config.json", "meta.json"
+CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.")   # full names: "vision." / "language." + module key
 
-# A checkpoint loads only into a run with equal model fields (data, optimizer and layout fields may change).
-MODEL_FIELDS = config.LANGUAGE_FIELDS + ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch",
-                                  "vit_cpe_grid", "class_token_len", "projector_hidden", "image_token_id")
 GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp")
 
 
@@ -167,16 +166,17 @@ def _write_files(step_dir, files):
 
 
 class Saver:
-    """ROOT/step_N when train.py asks (--save-every, the last step, a stop signal). Collective: all ranks call it
+    """cfg.save/step_N when train.py asks (--save-every, the last step, a stop signal). Collective: all ranks call it
     after the same step. Sync: save() returns with the checkpoint complete. Async: save() copies the tensors to CPU
     and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
     --keep-last pruning. At most one save in flight. A failed write (any rank, sync or async) ends the run on every
     rank, naming the step directory and the cause, and `latest` stays. Every rank writes (its rank json), so every
-    rank checks at the start that it can write into ROOT."""
+    rank checks at the start that it can write into it. lineage: the run's sources (resume.py); run_files(step_dir):
+    rank 0 writes the run's other files (tokenizer, HF source) before the step is committed."""
 
-    def __init__(self, root, par, cfg, modules, opt, args, data=None):
-        self.root, self.par, self.cfg, self.modules, self.opt, self.args, self.data = \
-            root, par, cfg, modules, opt, args, data
+    def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None):
+        self.root, self.par, self.cfg, self.modules, self.opt, self.data = cfg.save, par, cfg, modules, opt, data
+        self.lineage, self.run_files = list(lineage), run_files
         self.rank, self.pending, self.last = dist.get_rank(), None, None
         parallel.on_every_rank(self._check_writable)
 
@@ -192,7 +192,7 @@ class Saver:
                              f"{e.strerror or e}); give a writable directory (every rank writes into it)") from None
 
     def after_step(self, step, counters, last):
-        if (self.args.save_every and step % self.args.save_every == 0) or last:
+        if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:
             self.save(step, counters)
         elif self.pending is not None:   # one small all-reduce per step while an async save is in flight
             done = torch.tensor([int(not self.pending[3].is_alive())], device=parallel._device())
@@ -216,16 +216,14 @@ class Saver:
             except OSError as e:   # reported on every rank by close(), like a failed write
                 result["error"] = f"rank 0: {type(e).__name__}: {e}"
         dist.barrier()
-        files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.args.async_save)
+        files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
         rank_state, lanes = {"rank": self.rank, "rng": _rng_state(), "data": data_state}, [None] * world
         dist.all_gather_object(lanes, None if lm is None or lm.tp_rank else {   # every language lane's position
             "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
             "state": data_state})
-        args = vars(self.args)   # the LR schedule is a function of counters and these `scheduler` args
-        meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world, "args": args,
-                "scheduler": {k: v for k, v in args.items() if "lr" in k or k in ("steps", "train_samples")},
-                "layout": dataclasses.asdict(lay), "layout_text": lay.describe(), "sizes": _sizes(lay),
+        meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world,
+                "run": {"lineage": self.lineage}, "layout": dataclasses.asdict(lay), "layout_text": lay.describe(), "sizes": _sizes(lay),
                 "data": {"consumed_samples": counters["consumed_samples"],
                          "lanes": sorted((x for x in lanes if x), key=lambda x: x["lane"])}}
         self.last = step
@@ -238,7 +236,7 @@ class Saver:
                 write_atomic(os.path.join(step_dir, f"rank_{self.rank:05d}.json"), rank_state)
             except BaseException as e:   # reported on every rank by close()
                 result["error"] = f"rank {self.rank}: {type(e).__name__}: {e}"
-        thread = threading.Thread(target=write, daemon=True) if self.args.async_save else None
+        thread = threading.Thread(target=write, daemon=True) if self.cfg.async_save else None
         self.pending = (step_dir, meta, specs, thread, result)
         if thread is None:
             write()
@@ -264,13 +262,15 @@ class Saver:
         if self.rank == 0:
             meta["tensors"] = {k: v for _, _, s in reports for k, v in sorted(s.items())}
             meta["files"] = {k: v for _, m, _ in reports for k, v in sorted(m.items())}
+            if self.run_files is not None:
+                self.run_files(step_dir)
             write_atomic(os.path.join(step_dir, CONFIG_NAME), dataclasses.asdict(self.cfg))
             write_atomic(os.path.join(step_dir, META_NAME), meta)
             write_atomic(os.path.join(self.root, "latest"), os.path.basename(step_dir) + "\n")
-            if self.args.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
+            if self.cfg.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
                 older = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d{8}", d)
                                and d <= os.path.basename(step_dir))
-                for d in older[:-self.args.keep_last]:
+                for d in older[:-self.cfg.keep_last]:
                     shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
             print(f"saved checkpoint {step_dir}", flush=True)
         dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
@@ -294,13 +294,34 @@ def save_model(path, cfg, state_dict):
 
 # ---------------------------------------------------------------- load
 
-def resolve(path):
-    """A save directory (follows `latest`) or a step directory -> the step directory, which must be complete."""
-    latest = _read_latest(path)
-    step_dir = os.path.join(path, latest) if latest else path
-    if not os.path.exists(os.path.join(step_dir, META_NAME)):
-        raise FileNotFoundError(f"{os.path.join(step_dir, META_NAME)}: missing: {step_dir} is not a complete "
-                                "checkpoint (an interrupted save, or a save directory without `latest`)")
+def complete(step_dir):
+    """Whether a step directory holds a whole checkpoint (meta.json is written last)."""
+    return os.path.exists(os.path.join(step_dir, META_NAME))
+
+
+def newest(root):
+    """(the newest complete step directory of save directory `root`, or None; a note when it is not `latest`)."""
+    latest = _read_latest(root) if os.path.isdir(root) else None
+    if latest and complete(os.path.join(root, latest)):
+        return os.path.join(root, latest), None
+    steps = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d{8}", d)
+                   and complete(os.path.join(root, d))) if os.path.isdir(root) else []
+    if not steps:
+        return None, None
+    why = f"`latest` names {latest}, not a complete checkpoint" if latest else "no `latest`"
+    return os.path.join(root, steps[-1]), f"{why}: the newest complete step is {steps[-1]}, loading it"
+
+
+def resolve(path, say=None):
+    """A step directory, or a save directory (its newest complete step; `say` tells when that is not `latest`)."""
+    if complete(path):
+        return path
+    step_dir, note = newest(path)
+    if step_dir is None:
+        raise FileNotFoundError(f"{os.path.join(path, META_NAME)}: missing: {path} is not a complete checkpoint, "
+                                "and holds no complete step directory (an interrupted save?)")
+    if note and say is not None:
+        say(f"{path}: {note}")
     return step_dir
 
 
@@ -379,7 +400,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     rank, lay = dist.get_rank(), par.layout
     say = (lambda msg: print(f"checkpoint: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
     bad = [f"{k} is {getattr(r.cfg, k)!r} in the checkpoint, {getattr(cfg, k)!r} in this run"
-           for k in MODEL_FIELDS if cfg is not None and getattr(r.cfg, k) != getattr(cfg, k)]
+           for k in config.MODEL_FIELDS if cfg is not None and getattr(r.cfg, k) != getattr(cfg, k)]
     if bad:
         raise ValueError(f"{r.dir}/{CONFIG_NAME}: config mismatch: " + "; ".join(bad))
     absent = [m for m in modules if not any(n.startswith(m + ".") for n in r.tensors)]

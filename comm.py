@@ -142,6 +142,24 @@ def mark_shard(param, *shards):
     return param
 
 
+def shard_kinds(p):
+    """{"tp", "ep", "etp"} subset from mark_shard; empty for parameters replicated within the module's tp."""
+    return {s[0] for s in getattr(p, "shards", ())}
+
+
+def is_expert(p):
+    return "ep" in shard_kinds(p)
+
+
+def counted_in_replica(p, m):
+    """Whether this rank's copy of p counts in the norm of one data-parallel replica: tp-sharded parameters on
+    every tp rank, replicated ones on tp rank 0; experts on every ep rank, on etp rank 0 unless etp-sharded."""
+    kinds = shard_kinds(p)
+    if "ep" in kinds:
+        return "etp" in kinds or m.etp_rank == 0
+    return "tp" in kinds or m.tp_rank == 0
+
+
 def full_shape(shape, shards, sizes):
     """Shape of the whole tensor that a slice of `shape`, cut by `shards`, belongs to; sizes: {kind: group size}."""
     shape = list(shape)

@@ -1,17 +1,28 @@
-"""Presets as plain dataclass values, plus `--FIELD VALUE` overrides.
+"""The run's one config: the model, the data, training, the layout, logging and checkpoints in one flat dataclass,
+its command line (`--field-name VALUE`, one flag per field) and the presets.
 
-One flat `Config` holds the language model, the vision tower, the data, the optimizer and the reference
-layout. Field names of the language model follow HF `config.json` (nemotron_h); vision fields start with
-`vit_`. A preset is a dict of overrides on the defaults below; `resolve()` applies preset, then vision
-variant, then the user's overrides, and checks the result.
+A preset is a dict of overrides on the defaults below; `resolve()` applies preset, then vision variant, then the
+user's values, and checks the result. Field names of the language model follow HF `config.json` (nemotron_h);
+vision fields start with `vit_`. A checkpoint saves the whole Config as its run record (checkpoint.py) and
+`--load` restores it (resume.py): MODEL_FIELDS say what its weights mean, so a different value given with
+`--load` is refused; every other field may change on resume, and a change is logged.
 """
+import argparse
 import dataclasses
 import difflib
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
+
+
+def _f(default, help=None, **meta):
+    """A field with its --help text (and `choices`) for the command line."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class Config:
+    preset: str = _f("tiny", "model and defaults (fields below override it)", choices=("tiny", "small", "20l", "54l",
+                                                                                          "nano"))
     # ---- language model (HF nemotron_h names) ----
     vocab_size: int = 131072
     hidden_size: int = 2688
@@ -29,20 +40,21 @@ class Config:
     num_experts_per_tok: int = 6
     moe_intermediate_size: int = 1856
     moe_shared_expert_intermediate_size: int = 3712
-    intermediate_size: int = 1856            # dense '-' MLP width
+    intermediate_size: int = _f(1856, "dense '-' MLP width")
     routed_scaling_factor: float = 2.5
     norm_eps: float = 1e-5
-    init_std: float = 0.0173                 # Megatron recipes, not HF's 0.02
-    moe_aux_loss_coeff: float = 1e-4         # seq_aux_loss
-    moe_bias_update_rate: float = 1e-3       # aux-loss-free expert-bias step
+    init_std: float = _f(0.0173, "Megatron recipes' init std, not HF's 0.02")
+    moe_aux_loss_coeff: float = _f(1e-4, "seq_aux_loss")
+    moe_bias_update_rate: float = _f(1e-3, "aux-loss-free expert-bias step")
     # ---- vision tower (RADIO ViT) + projector ----
-    vision: str = "vit-h"                    # variant name, expands to the vit_* fields below
+    vision: str = _f("vit-h", "variant name, expands to the vit_* fields below", choices=("tiny", "vit-b", "vit-l",
+                                                                                         "vit-h", "vit-g"))
     vit_hidden: int = 1280
     vit_depth: int = 32
     vit_heads: int = 16
     vit_mlp: int = 5120
     vit_patch: int = 16
-    vit_cpe_grid: int = 128                  # CPE table is vit_cpe_grid x vit_cpe_grid
+    vit_cpe_grid: int = _f(128, "the CPE table is vit_cpe_grid x vit_cpe_grid")
     class_token_len: int = 10
     vit_random_crop_cpe: bool = False
     projector_hidden: int = 20480
@@ -51,21 +63,77 @@ class Config:
     image_token_id: int = 511
     # ---- data ----
     seq_len: int = 8192
-    mock_image_size: int = 2048              # mock samples carry one square image of this many pixels
+    data: str = _f("mock", "mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend '0.7:a.jsonl,0.3:b/*.parquet'")
+    eval_data: str | None = _f(None, "held-out data (file or blend) for --eval-every, with any --data")
+    eval_frac: float = _f(0.0, "else hold out the last FRAC of every --data file")
+    tokenizer: str | None = _f(None, "HF tokenizer directory (its chat template renders chats) or tokenizer.json; "
+                               "default: offline byte-level tokenizer. A checkpoint keeps a copy")
+    train_on: str = _f("assistant", "chat tokens with loss", choices=("assistant", "all"))
+    pack: bool = _f(False, "pack documents into seq_len rows (document masks)")
+    skip_bad_samples: bool = _f(False, "skip and count bad data lines, not fail")
+    overlong: str = _f("error", "a document longer than seq_len: fail (counted skip under --skip-bad-samples), skip, "
+                       "or truncate it (never inside an image)", choices=("error", "skip", "truncate"))
+    data_columns: str | None = _f(None, "parquet columns, e.g. messages=conversations,images=image")
+    num_workers: int | None = _f(None, "DataLoader workers; default 2 on GPU, 0 on CPU")
+    mock_image_size: int = _f(2048, "mock samples carry one square image of this many pixels")
     mock_text_only_frac: float = 0.0
-    mock_num_samples: int = 0                # > 0: the mock set has this many samples and repeats (tests)
-    mock_text: str = "task"                  # task: learnable, answers only the image predicts; random (mock.py)
-    # ---- reference layout (hetero when vision sizes > 0) ----
-    vision_tp: int = 2
-    vision_dp: int = 2
-    lm_tp: int = 2
-    lm_dp: int = 2
-    lm_ep: int = 4                           # experts over all 4 language ranks (edp 1): the 20l fits 80 GB
-    lm_etp: int = 1
-    reference_world: int = 8                 # the layout above applies when WORLD_SIZE equals this
-    # ---- failure handling (failsafe.py) ----
-    max_skipped_steps: int = 10              # abort after this many consecutive non-finite steps (0: never)
+    mock_num_samples: int = _f(0, "> 0: the mock set has this many samples and repeats (tests)")
+    mock_text: str = _f("task", "task: learnable, answers only the image predicts; random (mock.py)",
+                        choices=("task", "random"))
+    # ---- training ----
+    steps: int = _f(20, "total optimizer steps of the run (resumed runs too)")
+    global_batch: int = _f(8, "samples per optimizer step")
+    micro_batch: int = _f(1, "samples per language lane per micro-batch")
+    lr: float = 2e-4
+    min_lr: float = 2e-6
+    lr_schedule: str = _f("cosine", None, choices=("cosine", "wsd", "constant"))
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = _f(None, "default: --steps")
+    lr_wsd_decay_iters: int | None = _f(None, "WSD decay tail; default 10%% of decay")
+    lr_wsd_decay_style: str = _f("linear", None, choices=("linear", "minus_sqrt"))
+    train_samples: int | None = _f(None, "sample-based schedule (Megatron style)")
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    weight_decay: float = 0.05
+    clip_grad: float = _f(1.0, "global grad-norm clip (0: off)")
+    seed: int = 1234
+    stage: int = _f(2, "1: projector only, 2: vision tower frozen, 3: everything", choices=(1, 2, 3))
+    train_layers: str | None = _f(None, "regex over vision.* / language.* names (overrides --stage)")
+    activation_checkpointing: bool = False
+    distributed_optimizer: bool = _f(True, "sharded AdamW, bf16 weights on CUDA (optim.py); off: plain AdamW, fp32 "
+                                     "weights, gradients and state replicated over data parallel")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank only (lora.py)")
+    lora_alpha: float = _f(32.0, "LoRA scale = alpha / rank")
+    lora_targets: str | None = _f(None, "regex over full layer names (default: lora.TARGETS)")
+    moe_dispatcher: str = _f("alltoall", None, choices=("alltoall", "deepep"))
+    moe_force_balance: bool = _f(False, "benchmarks only: route every token to fixed experts in turn, so all experts "
+                                 "get the same rows (the routers of published throughputs)")
+    max_skipped_steps: int = _f(10, "abort after this many consecutive non-finite steps (0: never)")
+    # ---- layout (None: chosen, layout.py) ----
+    vision_tp: int | None = None
+    vision_dp: int | None = None
+    lm_tp: int | None = None
+    lm_dp: int | None = None
+    lm_ep: int | None = None
+    lm_etp: int | None = None
+    colocated: bool | None = _f(None, "both modules on every rank")
+    # ---- logging ----
+    log_every: int = 1
+    metrics_file: str | None = None
+    moe_stats_every: int = 10
+    tensorboard: str | None = None
+    eval_every: int = 0
+    eval_samples: int | None = _f(None, "an evaluation scores the first N eval samples; default: the whole eval data "
+                                  "(32 of mock data)")
+    # ---- checkpoints ----
+    save: str | None = _f(None, "save directory: DIR/step_N/ + DIR/latest; a run saved there resumes from it")
+    save_every: int = _f(0, "also save every N steps (always: last step, signal)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0: all)")
+    async_save: bool = _f(False, "write checkpoints in a background thread")
 
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 # The language model's shape: the fields an HF nemotron_h config carries (hf_interop.py renames norm_eps, init_std).
 LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads",
@@ -73,6 +141,14 @@ LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_
                    "ssm_state_size", "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
                    "moe_intermediate_size", "moe_shared_expert_intermediate_size", "intermediate_size",
                    "routed_scaling_factor", "norm_eps", "init_std")
+VISION_FIELDS = ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
+                 "class_token_len", "projector_hidden")
+# What a checkpoint's weights mean: they load only into a run with equal values (checkpoint.load checks them).
+MODEL_FIELDS = LANGUAGE_FIELDS + VISION_FIELDS + ("image_token_id",)
+# ... and what a resumed run may not change besides: the adapters, the preset behind the defaults, the tokenizer
+# (compared by content: resume.py).
+FIXED_ON_RESUME = MODEL_FIELDS + ("preset", "lora_rank", "lora_alpha", "lora_targets", "tokenizer")
+LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "colocated")
 
 
 VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 2x2 pixel shuffle)
@@ -92,18 +168,27 @@ PRESETS = {
         ssm_state_size=16, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, intermediate_size=64,
         vision="tiny", class_token_len=2, min_num_patches=16, max_num_patches=256, image_token_id=511,
-        seq_len=96, mock_image_size=64, mock_text_only_frac=0.25,
-        vision_tp=1, vision_dp=2, lm_tp=1, lm_dp=2, lm_ep=1, reference_world=4),
+        seq_len=96, mock_image_size=64, mock_text_only_frac=0.25),
     "small": dict(
         vocab_size=4096, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
         mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=32, chunk_size=32,
         n_routed_experts=16, num_experts_per_tok=6, moe_intermediate_size=128,
         moe_shared_expert_intermediate_size=256, intermediate_size=128, vision="vit-b",
-        min_num_patches=64, max_num_patches=1024, seq_len=1024, mock_image_size=256,
-        vision_tp=1, vision_dp=1, lm_tp=1, lm_dp=1, lm_ep=1, reference_world=2),
+        min_num_patches=64, max_num_patches=1024, seq_len=1024, mock_image_size=256),
     "20l": dict(),
-    "54l": dict(hybrid_override_pattern="MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME"),
-    "nano": dict(NANO),
+    "54l": dict(hybrid_override_pattern="MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME",
+                activation_checkpointing=True),
+    # a 31.6 B-parameter model: activation checkpointing is what lets a full fine-tune fit 8 x 80 GB (memory.py)
+    "nano": dict(NANO, activation_checkpointing=True),
+}
+
+# A preset's reference layout: the layout chooser (layout.py) takes it first on this many ranks when it fits.
+# Hetero: vision tp/dp on the first ranks, the language grid on the rest.
+REFERENCE_LAYOUTS = {
+    "tiny": (4, dict(vision_tp=1, vision_dp=2, lm_tp=1, lm_dp=2, lm_ep=1, lm_etp=1, colocated=False)),
+    "small": (2, dict(vision_tp=1, vision_dp=1, lm_tp=1, lm_dp=1, lm_ep=1, lm_etp=1, colocated=False)),
+    # experts over all 4 language ranks (edp 1): the 20l fits 80 GB
+    "20l": (8, dict(vision_tp=2, vision_dp=2, lm_tp=2, lm_dp=2, lm_ep=4, lm_etp=1, colocated=False)),
 }
 
 
@@ -111,7 +196,7 @@ def resolve(preset, overrides=None):
     """Preset name + {field: value-or-string} -> checked Config. Unknown keys name their close matches."""
     if preset not in PRESETS:
         raise SystemExit(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    values = dict(PRESETS[preset])
+    values = dict(PRESETS[preset], preset=preset)
     variant = (overrides or {}).get("vision", values.get("vision", Config.vision))
     if variant not in VIT_VARIANTS:
         raise SystemExit(f"unknown vision variant {variant!r}; choose from {sorted(VIT_VARIANTS)}")
@@ -122,33 +207,71 @@ def resolve(preset, overrides=None):
 def from_values(values, overrides=None):
     """{field: value} (a preset's, a saved config.json's) + {field: value-or-string} overrides -> checked Config.
     Fields missing from `values` keep their defaults."""
-    fields = {f.name: f for f in dataclasses.fields(Config)}
     for key in overrides or {}:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=3)
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, FIELDS, n=3)
             raise SystemExit(f"unknown config field {key!r}" + (f"; did you mean {close}?" if close else ""))
-    cfg = Config(**{**values, **{k: _parse(fields[k], v) for k, v in (overrides or {}).items()}})
+    cfg = Config(**{**values, **{k: parse_value(k, v) for k, v in (overrides or {}).items()}})
     check(cfg)
     return cfg
 
 
-def _parse(field, value):
-    if not isinstance(value, str) or field.type is str:
+def base_type(name):
+    """int for `int | None`, and so on."""
+    t = FIELDS[name].type
+    return next(a for a in t.__args__ if a is not type(None)) if isinstance(t, types.UnionType) else t
+
+
+def parse_value(name, value):
+    """A field's value from its command-line string (non-strings pass)."""
+    t = base_type(name)
+    if not isinstance(value, str) or t is str:
         return value
-    if field.type is bool:
-        if value.lower() in ("1", "true", "yes"):
-            return True
-        if value.lower() in ("0", "false", "no"):
-            return False
-        raise SystemExit(f"--{field.name} expects true/false, got {value!r}")
     try:
-        return field.type(value)
-    except ValueError:
-        raise SystemExit(f"--{field.name} expects {field.type.__name__}, got {value!r}") from None
+        if t is bool:
+            return _bool(value)
+        return t(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise SystemExit(f"--{flag(name)} expects {t.__name__}, got {value!r}") from None
+
+
+def flag(name):
+    return name.replace("_", "-")
+
+
+def add_arguments(parser):
+    """One flag per field, --field-name VALUE; booleans also bare (--pack) and negated (--no-pack). Defaults are
+    left out of the namespace, so what a command line gave is exactly what it holds (given())."""
+    for name, f in FIELDS.items():
+        meta, t = f.metadata, base_type(name)
+        kw = dict(dest=name, default=argparse.SUPPRESS, help=meta.get("help"))
+        if t is bool:
+            parser.add_argument(f"--{flag(name)}", nargs="?", const=True, type=_bool, metavar="BOOL", **kw)
+            parser.add_argument(f"--no-{flag(name)}", action="store_const", const=False, dest=name,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(f"--{flag(name)}", type=t, choices=meta.get("choices"),
+                                metavar=None if meta.get("choices") else t.__name__.upper(), **kw)
+
+
+def _bool(value):
+    if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError(f"expects true/false, got {value!r}")
+    return value.lower() in ("1", "true", "yes")
+
+
+def given(namespace):
+    """{field: value} of the Config fields a parsed command line holds (add_arguments' flags)."""
+    return {k: v for k, v in vars(namespace).items() if k in FIELDS}
+
+
+def changes(old, new, names=None):
+    """[(field, old value, new value)] where two Configs differ, over `names` (default: every field)."""
+    return [(k, getattr(old, k), getattr(new, k)) for k in names or FIELDS if getattr(old, k) != getattr(new, k)]
 
 
 def check(cfg):
-    """Shape constraints of the model itself (layout constraints live in parallel.py)."""
+    """Shape constraints of the model itself (layout constraints live in layout.py)."""
     errors = []
     if set(cfg.hybrid_override_pattern) - set("M*E-"):
         errors.append(f"hybrid_override_pattern may only hold M * E -, got {cfg.hybrid_override_pattern!r}")

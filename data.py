@@ -445,44 +445,44 @@ class RealData:
         return make_row([self.load(s, d, pixels) for d in docs], self.cfg, self.enc.sp["<pad>"], self.pack)
 
 
-def build(args, cfg, verbose=True, train=None):
-    """(train data, eval data or None) from the command line (--data, --eval-data, --eval-frac, --tokenizer,
-    --train-on, --pack, --skip-bad-samples, --overlong, --data-columns). `train`: training data not read from files
-    (mock.py), beside --eval-data."""
-    enc = Encoder(load_tokenizer(args.tokenizer, cfg), cfg, args.train_on, args.overlong)
-    columns = formats.parse_columns(args.data_columns)
+def build(cfg, tokenizer, verbose=True, train=None):
+    """(train data, eval data or None) of the run's --data, --eval-data, --eval-frac, --train-on, --pack,
+    --skip-bad-samples, --overlong and --data-columns, tokenized by `tokenizer` (load_tokenizer's). `train`:
+    training data not read from files (mock.py), beside --eval-data."""
+    enc = Encoder(tokenizer, cfg, cfg.train_on, cfg.overlong)
+    columns = formats.parse_columns(cfg.data_columns)
 
     def sources(spec):   # the files of one entry share its weight by their document counts
         out = []
         for w, entry in formats.parse_blend(spec):
             files = formats.expand(entry)
-            idx = [formats.index_file(p, enc, columns, args.skip_bad_samples, verbose) for p in files]
+            idx = [formats.index_file(p, enc, columns, cfg.skip_bad_samples, verbose) for p in files]
             total = sum(len(i["offsets"]) for i in idx)
             out += [(w * len(i["offsets"]) / total, p, i) for p, i in zip(files, idx)]
         return out
 
     if train is not None:
-        return train, RealData(sources(args.eval_data), enc, args.seed, args.pack, "eval")
-    train = sources(args.data)
-    if args.eval_data:
-        return RealData(train, enc, args.seed, args.pack), RealData(sources(args.eval_data), enc, args.seed,
-                                                                      args.pack, "eval")
-    if not args.eval_frac:
-        if getattr(args, "eval_every", 0):
+        return train, RealData(sources(cfg.eval_data), enc, cfg.seed, cfg.pack, "eval")
+    train = sources(cfg.data)
+    if cfg.eval_data:
+        return RealData(train, enc, cfg.seed, cfg.pack), RealData(sources(cfg.eval_data), enc, cfg.seed,
+                                                                      cfg.pack, "eval")
+    if not cfg.eval_frac:
+        if cfg.eval_every:
             raise SystemExit("--eval-every with real data needs --eval-data or --eval-frac")
-        return RealData(train, enc, args.seed, args.pack), None
-    if not 0 < args.eval_frac < 1:
-        raise SystemExit(f"--eval-frac must be in (0, 1), got {args.eval_frac}")
+        return RealData(train, enc, cfg.seed, cfg.pack), None
+    if not 0 < cfg.eval_frac < 1:
+        raise SystemExit(f"--eval-frac must be in (0, 1), got {cfg.eval_frac}")
     head, tail = [], []                              # the last eval_frac of every file is held out
     for w, p, idx in train:
         n = len(idx["offsets"])
-        cut = n - max(1, int(n * args.eval_frac))
+        cut = n - max(1, int(n * cfg.eval_frac))
         if cut < 1:
-            raise SystemExit(f"{p}: {n} documents are too few to hold out --eval-frac {args.eval_frac}")
+            raise SystemExit(f"{p}: {n} documents are too few to hold out --eval-frac {cfg.eval_frac}")
         keys = ("offsets", "lines", "lengths")
         head.append((w, p, {**idx, **{k: idx[k][:cut] for k in keys}}))
         tail.append((w, p, {**idx, **{k: idx[k][cut:] for k in keys}}))
-    return RealData(head, enc, args.seed, args.pack), RealData(tail, enc, args.seed, args.pack, "eval")
+    return RealData(head, enc, cfg.seed, cfg.pack), RealData(tail, enc, cfg.seed, cfg.pack, "eval")
 
 
 class EvalSet:

@@ -1,5 +1,5 @@
-"""A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, requeue,
-non-finite steps, checked arguments.
+"""A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, non-finite
+steps, checked arguments (requeue: resume.py).
 
 Signals: SIGINT / SIGTERM only set a flag (the first one counts; later ones cannot cut the save short). Every rank calls Stop() at the same micro-batch boundaries (a one-int
 all-reduce on a gloo group, so no GPU sync); once any rank was signalled, all abandon the step in progress
@@ -173,23 +173,13 @@ class SkipBad:
             say(f"skipped sample {i} ({bad[i]}); {self.skipped} skipped at load time so far")
 
 
-# ---------------------------------------------------------------- requeue, non-finite steps
+# ---------------------------------------------------------------- resumed runs, non-finite steps
 
-def requeue(args, say):
-    """--load equal to --save (a requeue line, the same on every attempt) with nothing saved there yet: None, a
-    fresh start. Otherwise --load as given."""
-    if args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
-            and not os.path.exists(os.path.join(args.load, "latest")):
-        say(f"--load {args.load}: no checkpoint there yet (no `latest`): starting fresh; a later attempt of the "
-            "same command resumes from it")
-        return None
-    return args.load
-
-
-def nothing_to_train(counters, args, say):
-    if args.load and counters["step"] >= args.steps:
-        say(f"nothing to train: --load {args.load} is at step {counters['step']} and --steps is {args.steps} "
-            "(the total of the run, resumed runs too); raise --steps to train further")
+def nothing_to_train(counters, steps, loaded, say):
+    """loaded: the checkpoint a resumed run came from (None for a fresh run)."""
+    if loaded and counters["step"] >= steps:
+        say(f"nothing to train: {loaded} is at step {counters['step']} and --steps is {steps} (the total of the "
+            "run, resumed runs too); raise --steps to train further")
 
 
 def check_finite_run(bad_steps, limit, norm, save):
@@ -204,14 +194,14 @@ def check_finite_run(bad_steps, limit, norm, save):
 
 # ---------------------------------------------------------------- arguments
 
-def check_args(args, cfg):
+def check_args(cfg):
     """Argument errors found before anything is built, the same on every rank."""
-    if args.clip_grad < 0:
-        raise SystemExit(f"--clip-grad {args.clip_grad}: must be >= 0 (0 turns clipping off)")
+    if cfg.clip_grad < 0:
+        raise SystemExit(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
     if cfg.max_skipped_steps < 0:
         raise SystemExit(f"--max-skipped-steps {cfg.max_skipped_steps}: must be >= 0 (0: never abort)")
-    if args.train_layers is not None:   # matching nothing: memory.sizing_model
+    if cfg.train_layers is not None:   # matching nothing: memory.sizing_model
         try:
-            re.compile(args.train_layers)
+            re.compile(cfg.train_layers)
         except re.error as e:
-            raise SystemExit(f"--train-layers {args.train_layers!r}: not a regular expression ({e})") from None
+            raise SystemExit(f"--train-layers {cfg.train_layers!r}: not a regular expression ({e})") from None

@@ -16,15 +16,16 @@ import json
 import math
 import os
 import re
+import shutil
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import checkpoint
 import comm
 import config
 import data
+import hf_peft
 import lora
 import radio
 
@@ -56,6 +57,10 @@ UNUSED = {"video embedder": r"patch_generator\.video_embedder\.", "RADIO summary
           "RADIO input conditioner": r"input_conditioner\.", "sound encoder / projection": r"^sound_",
           "MTP layers": r"(^|\.)mtp\.", "LayerScale (all ones: identity)": r"\.(layer_scale[12]\.lambda1|ls[12]\.gamma)$"}
 LAYER_SCALE = re.compile(UNUSED["LayerScale (all ones: identity)"])
+# ... of which an export carries these through unchanged from the HF directory a run started from (copy_source)
+CARRIED = ("video embedder", "RADIO summary_idxs", "RADIO input conditioner", "sound encoder / projection")
+CARRIED_NAME = "carried.safetensors"
+WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|\.index\.json$")
 
 
 # ---------------------------------------------------------------- configs
@@ -194,11 +199,15 @@ def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
 
 # ---------------------------------------------------------------- HF export
 
-def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, tokenizer=None):
+def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, tokenizer=None,
+              source=None):
     """Write an HF directory: nemotron_h_omni when `state_dict` (full names, "language.…" / "vision.…") holds the
     vision tower, else nemotron_h; config.json, safetensors (sharded above max_shard_bytes) and, with an HF
     `tokenizer` (data.load_tokenizer), its files. dtype casts the floating tensors, except the expert bias, which
-    stays fp32 as HF keeps it (_keep_in_fp32_modules_strict). bos/eos/pad ids are the tokenizer's."""
+    stays fp32 as HF keeps it (_keep_in_fp32_modules_strict). bos/eos/pad ids are the tokenizer's. `source`: what
+    copy_source kept of the HF directory the run started from: its files (processor and generation configs,
+    remote code) and carried tensors come along, and its config.json's fields stay where ours do not say
+    otherwise."""
     lm_sd = checkpoint.language_state_dict(state_dict)
     checkpoint.check_tensors(lm_sd, checkpoint.lm_shapes(cfg), "export_hf(state_dict)")
     cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
@@ -229,11 +238,61 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
     else:
         hf = hf_config(cfg, torch_dtype, ids)
     os.makedirs(out_dir, exist_ok=True)
+    generation = {k: v for k, v in ids.items() if v is not None}
+    if source is not None:
+        theirs = read_config(source)
+        if theirs.get("model_type") == hf["model_type"]:
+            hf = _merge_config(theirs, hf)
+            with safe_open(os.path.join(source, CARRIED_NAME), framework="pt") as f:
+                tensors.update({k: cast(f.get_tensor(k)) for k in f.keys()})
+        for name in os.listdir(source):   # processor configs, chat template, remote code, generation config
+            if name not in (checkpoint.CONFIG_NAME, CARRIED_NAME):
+                shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
     checkpoint.write_atomic(os.path.join(out_dir, checkpoint.CONFIG_NAME), hf)
-    checkpoint.write_atomic(os.path.join(out_dir, "generation_config.json"), {k: v for k, v in ids.items() if v is not None})
+    if not os.path.exists(os.path.join(out_dir, "generation_config.json")):
+        checkpoint.write_atomic(os.path.join(out_dir, "generation_config.json"), generation)
     _write_shards(tensors, out_dir, max_shard_bytes)
     if hasattr(tok, "save"):
         tok.save(out_dir)
+
+
+def _merge_config(theirs, ours):
+    """The source's config.json with our fields written over it (nested configs alike). RADIO's class tokens and
+    registers keep the source's split of the same total; a `dtype` key (transformers 5) follows our torch_dtype."""
+    out = dict(theirs)
+    for k, v in ours.items():
+        out[k] = _merge_config(theirs[k], v) if isinstance(v, dict) and isinstance(theirs.get(k), dict) else v
+    if "torch_dtype" in ours and "dtype" in theirs:
+        out["dtype"] = ours["torch_dtype"]
+    split = ("num_cls_tokens", "num_registers")
+    if all(k in theirs for k in split) and all(k in ours for k in split) and \
+            sum(theirs[k] for k in split) == sum(ours[k] for k in split):
+        out.update({k: theirs[k] for k in split}, summary_idxs=theirs.get("summary_idxs", ours.get("summary_idxs")))
+    return out
+
+
+def copy_source(src, out):
+    """What an export carries through from the HF directory `src` a run started from (or from a checkpoint's copy
+    of it, checkpoint.SOURCE_DIR) into `out`: every file but the weights (config.json, processor and generation
+    configs, chat template, remote code) and, in CARRIED_NAME, the tensors this model does not use (CARRIED)."""
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(src):
+        path, dst = os.path.join(src, name), os.path.join(out, name)
+        if os.path.isfile(path) and (name == CARRIED_NAME or not WEIGHT_FILES.search(name)):
+            if os.path.exists(dst):
+                os.remove(dst)
+            try:   # a checkpoint's copy is never written in place: the next checkpoint may share its files
+                os.link(path, dst)
+            except OSError:
+                shutil.copy2(path, dst)
+    if not os.path.exists(os.path.join(src, CARRIED_NAME)):   # an HF directory: its carried tensors
+        files = _tensor_files(src)
+        keys = [k for k in files if any(re.search(UNUSED[what], k) for what in CARRIED)]
+        carried = {}
+        for k in keys:
+            with safe_open(files[k][0], framework="pt") as f:
+                carried[k] = f.get_tensor(k)
+        checkpoint.write_atomic(os.path.join(out, CARRIED_NAME), carried)
 
 
 def vision_shapes(cfg):
@@ -394,23 +453,26 @@ def import_hf(hf_dir, preset=None, image_token_id=None, vision_hf=None, say=prin
 
 def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None,
            adapters_only=False):
-    """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h). The tokenizer is
-    the one the run used (its saved --tokenizer) unless given."""
+    """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h), adapters merged;
+    with adapters_only, the LoRA adapters alone as a PEFT adapter directory (hf_peft.py). Everything comes from
+    the checkpoint: its record's config, its tokenizer's copy (unless `tokenizer` is given) and the files of the
+    HF directory the run started from (copy_source)."""
     r = checkpoint.Reader(path)
-    names = [n for n in r.tensors if not (language_only and n.startswith("vision."))]
-    run = r.meta.get("args", {})
-    if adapters_only:   # the LoRA adapters alone, full tensors under our names, and their hyper-parameters
-        os.makedirs(out_dir, exist_ok=True)
-        save_file({n: r.read(n).contiguous() for n in names if "lora_" in n},
-                  os.path.join(out_dir, "adapters.safetensors"), {"format": "pt"})
-        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump({k: run.get(k) for k in ("lora_rank", "lora_alpha", "lora_targets")}, f, indent=1)
+    cfg, names = r.cfg, [n for n in r.tensors if not (language_only and n.startswith("vision."))]
+    lora_names = [n for n in names if "lora_" in n]
+    if adapters_only:   # base_model: the HF directory the run started from, if it did
+        origin = (r.meta.get("run", {}).get("lineage") or [None])[0]
+        hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, omni=not language_only,
+                          base_model=origin if origin and is_hf_dir(origin) else None)
         return
     sd = {n: r.read(n) for n in names}
-    if any("lora_" in n for n in sd):   # adapters folded into their frozen weights: a plain HF model
-        sd = lora.merge(sd, run["lora_alpha"])
-    tokenizer = tokenizer or run.get("tokenizer")
-    export_hf(r.cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, r.cfg))
+    if lora_names:   # adapters folded into their frozen weights: a plain HF model
+        sd = lora.merge(sd, cfg.lora_alpha)
+    copy = os.path.join(r.dir, checkpoint.TOKENIZER_DIR)
+    tokenizer = tokenizer or (copy if os.path.isdir(copy) else cfg.tokenizer)
+    source = os.path.join(r.dir, checkpoint.SOURCE_DIR)
+    export_hf(cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, cfg),
+              source if os.path.isdir(source) and not language_only else None)
 
 
 # ---------------------------------------------------------------- CLI
@@ -425,7 +487,8 @@ def main(argv=None):
     e.add_argument("--tokenizer", help="HF tokenizer dir to export (default: the one the run trained with)")
     e.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
     e.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast (default: keep dtypes)")
-    e.add_argument("--adapters-only", action="store_true", help="a LoRA run's adapters alone (else merged in)")
+    e.add_argument("--adapters-only", action="store_true", help="a LoRA run's adapters alone, as a PEFT adapter "
+                   "directory (else merged in)")
     i = sub.add_parser("import-hf", help="HF nemotron_h_omni / nemotron_h directory -> our checkpoint directory")
     i.add_argument("--hf", required=True)
     i.add_argument("--out", required=True)
@@ -440,9 +503,14 @@ def main(argv=None):
             print(f"wrote {args.out}")
         else:
             cfg, sd = import_hf(args.hf, args.preset, args.image_token_id, args.vision_hf)
+            has_tokenizer = os.path.exists(os.path.join(args.hf, "tokenizer_config.json"))
+            cfg = dataclasses.replace(cfg, tokenizer=args.hf if has_tokenizer else None)
             checkpoint.save_model(args.out, cfg, sd)
+            if has_tokenizer:   # the checkpoint carries its run: tokenizer and source files, as a training save
+                data.load_tokenizer(args.hf, cfg).save(os.path.join(args.out, checkpoint.TOKENIZER_DIR))
+            copy_source(args.hf, os.path.join(args.out, checkpoint.SOURCE_DIR))
             print(f"wrote {args.out} (fields HF does not carry from --preset {args.preset}): train it with "
-                  f"`train.py --preset {args.preset} --load {args.out} --finetune`")
+                  f"`python train.py --load {args.out} --finetune`")
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None
 

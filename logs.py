@@ -35,10 +35,10 @@ def moe_stats(counts_LE):
             "tokens_per_layer": counts_LE.sum(-1).tolist(), "expert_counts": counts_LE.long().tolist()}
 
 
-def param_counts(cfg, args):
+def param_counts(cfg):
     """{part: (trainable, frozen)} for the vision tower, projector and language model of the whole model, whatever
     this rank holds (memory.sizing_model: --stage / --train-layers, --lora-rank's adapters)."""
-    modules = memory.sizing_model(cfg, args)
+    modules = memory.sizing_model(cfg)
     out = {"vision tower": [0, 0], "projector": [0, 0], "language": [0, 0]}
     for prefix, m in modules.items():
         for name, p in m.named_parameters():
@@ -64,31 +64,31 @@ def data_summary(name, ds):
 class Log:
     """Console, metrics file and TensorBoard of the logging rank; every method is a no-op on the others."""
 
-    def __init__(self, args, on, total_steps, first_step):
-        self.on, self.args, self.t0, self.first = on, args, time.perf_counter(), first_step
-        self.bar = tqdm(total=total_steps, initial=first_step, unit="step",
+    def __init__(self, cfg, on, first_step):
+        self.on, self.t0, self.first = on, time.perf_counter(), first_step
+        self.bar = tqdm(total=cfg.steps, initial=first_step, unit="step",
                         disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
-        self.metrics = open(args.metrics_file, "a") if args.metrics_file and on else None
+        self.metrics = open(cfg.metrics_file, "a") if cfg.metrics_file and on else None
         self.tb = None
-        if args.tensorboard and on:
+        if cfg.tensorboard and on:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency
-            self.tb = SummaryWriter(args.tensorboard)
+            self.tb = SummaryWriter(cfg.tensorboard)
         self.last = {}
 
     def say(self, msg):
         if self.on:
             tqdm.write(msg) if not self.bar.disable else print(msg, flush=True)
 
-    def start(self, cfg, run_dir, data_lines, counts):
-        """The resolved config (indented, in the run directory when there is one), the data and the trainable /
+    def start(self, cfg, data_lines, counts):
+        """The resolved config (indented, in the save directory when there is one), the data and the trainable /
         frozen parameters."""
         if not self.on:
             return
-        if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "run_config.json"), "w") as f:
-                f.write(json.dumps({"args": vars(self.args), "config": vars(cfg)}, indent=2) + "\n")
-            self.say(f"config: {os.path.join(run_dir, 'run_config.json')}")
+        if cfg.save:
+            os.makedirs(cfg.save, exist_ok=True)
+            with open(os.path.join(cfg.save, "run_config.json"), "w") as f:
+                f.write(json.dumps(vars(cfg), indent=2) + "\n")
+            self.say(f"config: {os.path.join(cfg.save, 'run_config.json')}")
         else:
             self.say(f"config: {json.dumps(vars(cfg))}")
         for line in data_lines:
@@ -128,7 +128,7 @@ class Log:
             self.metrics.write(json_line({"step": step, **result}))
             self.metrics.flush()
 
-    def close(self, step, save_dir, argv):
+    def close(self, step, save_dir):
         """The closing summary: steps, time, last losses, the checkpoint and the lines to resume and export."""
         self.bar.close()
         if self.metrics:
@@ -139,20 +139,17 @@ class Log:
         self.say(f"done: {step - self.first} steps (to step {step}) in {fmt_time(self.elapsed())} | last loss "
                  f"{fmt('loss')} | last eval loss {fmt('eval_loss')}")
         if save_dir:
-            self.say(f"checkpoint: {save_dir}\nresume (with a larger --steps to train on): "
-                     f"{resume_command(argv, save_dir)}\nexport: python hf_interop.py export-hf --load {save_dir} "
-                     "--out HF_DIR")
+            self.say(f"checkpoint: {save_dir}\nresume (add --steps N to train on): {resume_command(save_dir)}\n"
+                     f"export: python hf_interop.py export-hf --load {shlex.quote(save_dir)} --out HF_DIR")
 
 
-def resume_command(argv, save_dir):
-    """This run's command line with --load save_dir in place of any --load."""
-    keep = [a for i, a in enumerate(argv) if not (a == "--load" or a.startswith("--load=") or
-                                                  (i > 0 and argv[i - 1] == "--load"))]
+def resume_command(save_dir):
+    """The line that continues the run saved in save_dir: the checkpoint holds everything else (resume.py)."""
     nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = int(os.environ.get("WORLD_SIZE", 1)) // nproc
     launcher = "python" if nproc == 1 and nodes == 1 else \
         f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
-    return f"{launcher} train.py {shlex.join(keep + ['--load', save_dir])}"
+    return f"{launcher} train.py --load {shlex.quote(save_dir)}"
 
 
 def json_line(rec):

@@ -10,7 +10,9 @@ Sharding follows the frozen weight, so any tp / ep layout computes the one-devic
   row-parallel W (columns over tp):  A's columns shard like W's; the product leaves through W's reduce_from,
                                       B is replicated, its gradient partial per tp rank
   experts:                            every adapter sharded over ep with its expert (etp must be 1)
-B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed, name): layout-independent.
+B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed, name): layout-independent. The
+base stays exactly as loaded, the routers' expert biases too (train.py does not update them under LoRA), so the
+adapters alone (hf_peft.py) reproduce the run on the released weights.
 merge() folds adapters into full weights (export-hf); checkpoints hold adapters like any parameter.
 """
 import math
@@ -27,13 +29,14 @@ import moe
 TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)$"
 
 
-def apply(modules, args, par=None, seed=0):
-    """Add adapters to the matching layers of {"vision" | "language": module}, freeze everything else. With `par`
-    (parallel.setup's) the A matrices are drawn; without, the modules are sizing copies (memory.py, meta device)."""
-    if (par is not None and par.lm is not None and par.lm.etp_size > 1) or args.moe_dispatcher != "alltoall":
+def apply(modules, cfg, par=None, seed=0):
+    """Add cfg.lora_rank adapters (cfg.lora_alpha, cfg.lora_targets) to the matching layers of {"vision" |
+    "language": module}, freeze everything else. With `par` (parallel.setup's) the A matrices are drawn; without,
+    the modules are sizing copies (memory.py, meta device)."""
+    if (par is not None and par.lm is not None and par.lm.etp_size > 1) or cfg.moe_dispatcher != "alltoall":
         raise SystemExit("error: LoRA on routed experts needs --lm-etp 1 and the alltoall dispatcher. Drop "
                          "--lm-etp / --moe-dispatcher deepep.")
-    targets, r, scale = re.compile(args.lora_targets or TARGETS), args.lora_rank, args.lora_alpha / args.lora_rank
+    targets, r, scale = re.compile(cfg.lora_targets or TARGETS), cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank
     for key, module in modules.items():
         for p in module.parameters():
             p.requires_grad_(False)

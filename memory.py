@@ -1,6 +1,6 @@
 """The memory plan: bytes per rank of weights, gradients, optimizer state and the activations of one micro-batch,
-for the vision and the language rank kinds of a layout (`train.py --dry-run [--world-size N]`), and the fit check
-train.py runs before building anything.
+for the vision and the language rank kinds of a layout (`train.py --dry-run [--world-size N]`), and the fit rule
+(required(), fits()) by which layout.py chooses a layout, or refuses one, before anything is built.
 
 Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA, in bytes (optim.py):
   distributed optimizer        weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (fp32 main + moments)
@@ -23,58 +23,81 @@ import os
 
 import torch
 
+import comm
 import lora
 import model
 import optim
-import parallel
 from radio import VisionModel
 
 GIB = 2 ** 30
+TRAIN_SHARE, SETUP_SHARE = 0.9, 0.95    # of a rank's memory the training and the set-up peak may use (required())
+_COUNTS = {}                            # parameter_counts' cache
 
 
-def sizing_model(cfg, args):
+def sizing_model(cfg):
     """The whole model on the meta device (no memory, no init) with this run's trainable parameters: --stage or
     --train-layers, and --lora-rank's adapters. A --train-layers regex that trains nothing is refused here, on the
     whole model (a hetero rank holds only part of it)."""
     with torch.device("meta"):
         modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
-        model.set_trainable(modules, args.stage, args.train_layers)
-        if getattr(args, "lora_rank", 0):
-            lora.apply(modules, args)
-    if args.train_layers is not None and not any(p.requires_grad for m in modules.values() for p in m.parameters()):
+        model.set_trainable(modules, cfg.stage, cfg.train_layers)
+        if cfg.lora_rank:
+            lora.apply(modules, cfg)
+    if cfg.train_layers is not None and not any(p.requires_grad for m in modules.values() for p in m.parameters()):
         names = [f"{k}.{n}" for k, m in modules.items() for n, _ in m.named_parameters()]
-        raise SystemExit(f"--train-layers {args.train_layers!r} matches no parameter, so nothing would train; "
+        raise SystemExit(f"--train-layers {cfg.train_layers!r} matches no parameter, so nothing would train; "
                          f"names look like {names[0]} or {names[-1]}")
     return modules
 
 
-def parameter_bytes(cfg, lay, args, distributed=True, cuda=True):
+def parameter_counts(cfg):
+    """({"vision" | "language": {(expert, etp-sharded, tp-sharded, trained): parameters}}, the language model's
+    largest parameter) of the whole sizing model: all a layout's plan needs of the model. Cached per cfg: building
+    the sizing model takes about a second for Nano, and the layout chooser plans dozens of layouts of one cfg."""
+    key = tuple(vars(cfg).items())
+    if key not in _COUNTS:
+        modules, counts = sizing_model(cfg), {}
+        for kind, module in modules.items():
+            groups = counts[kind] = {}
+            for p in module.parameters():
+                kinds = comm.shard_kinds(p)
+                g = ("ep" in kinds, "etp" in kinds, "tp" in kinds, p.requires_grad)
+                groups[g] = groups.get(g, 0) + p.numel()
+        _COUNTS[key] = counts, max(p.numel() for p in modules["language"].parameters())
+    return _COUNTS[key]
+
+
+def local_parameters(cfg, lay):
+    """(module kind, expert, trained, parameters, data-parallel size) per parameter group of one rank of `lay`:
+    the local slice (/ tp, / (ep x etp) for experts) and the size of the group its gradient is summed over (its
+    optimizer domain: vision dp, language dp, edp)."""
+    counts, _ = parameter_counts(cfg)
+    for kind, groups in counts.items():
+        tp = lay.vision_tp if kind == "vision" else lay.lm_tp
+        for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
+            n = numel / (lay.lm_ep * (lay.lm_etp if etp_sharded else 1) if expert else tp if tp_sharded else 1)
+            yield kind, expert, trained, n, lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
+
+
+def parameter_bytes(cfg, lay, cuda=True):
     """{"vision" | "language": {"weights", "gradients", "optimizer", "casts", "setup"}} bytes of one rank of that
     module. setup: the set-up peak, before optim.build casts to bf16: every local weight in fp32, and for the
     language model the two full-size fp32 tensors model.init_weights holds while it draws its largest parameter
     (randn, then scaled; on the device: the tower is drawn on the CPU)."""
-    modules = sizing_model(cfg, args)
-    out = {}
-    for kind, module in modules.items():
-        tp = lay.vision_tp if kind == "vision" else lay.lm_tp
-        b = {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0, "setup": 0.0}
-        if kind == "language":
-            b["setup"] = 8 * max(p.numel() for p in module.parameters())   # the sizing model's are full size
-        for p in module.parameters():
-            kinds = parallel.shard_kinds(p)
-            expert = "ep" in kinds
-            n = p.numel() / (lay.lm_ep * (lay.lm_etp if "etp" in kinds else 1) if expert else
-                             tp if "tp" in kinds else 1)
-            d = lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
-            fp32 = p.requires_grad and optim.fp32_weights(d, expert, cuda, args.activation_checkpointing)
-            bf16 = distributed and cuda and not fp32
-            b["weights"] += n * (2 if bf16 else 4)
-            b["setup"] += n * 4
-            if p.requires_grad:
-                b["gradients"] += n * 4
-                b["optimizer"] += n * (8 if fp32 or not distributed else 12 / d)
-                b["casts"] += n * 2 if cuda and not distributed else 0
-        out[kind] = b
+    distributed = cfg.distributed_optimizer
+    out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0, "setup": 0.0}
+           for kind in ("vision", "language")}
+    out["language"]["setup"] = 8 * parameter_counts(cfg)[1]   # the sizing model's are full size
+    for kind, expert, trained, n, d in local_parameters(cfg, lay):
+        b = out[kind]
+        fp32 = trained and optim.fp32_weights(d, expert, cuda, cfg.activation_checkpointing)
+        bf16 = distributed and cuda and not fp32
+        b["weights"] += n * (2 if bf16 else 4)
+        b["setup"] += n * 4
+        if trained:
+            b["gradients"] += n * 4
+            b["optimizer"] += n * (8 if fp32 or not distributed else 12 / d)
+            b["casts"] += n * 2 if cuda and not distributed else 0
     return out
 
 
@@ -104,29 +127,36 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
     return saved + head + logits                                # + the logits' gradient, at the head's backward
 
 
+def vision_tokens(cfg, lay):
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank: mock images, one per sample."""
+    samples, side = lay.vision_micro_batch, cfg.mock_image_size // cfg.vit_patch
+    return samples * (side * side + cfg.class_token_len), samples * side * side // 4
+
+
+def tower_trains(stage, train_layers):
+    """Whether the tower runs a backward (and so keeps activations, and on tp > 1 all-reduces its gradients)."""
+    return stage == 3 or (train_layers is not None and "blocks" in train_layers)
+
+
 def vision_activation_bytes(cfg, lay, stage, train_layers=None):
     """Bytes autograd keeps for one micro-batch of one vision rank (mock images: one per sample). A frozen tower
     keeps nothing (no input of it needs a gradient); the projector keeps its inputs."""
-    samples = lay.vision_micro_batch
-    side = cfg.mock_image_size // cfg.vit_patch
-    S, Q = samples * (side * side + cfg.class_token_len), samples * side * side // 4
+    S, Q = vision_tokens(cfg, lay)
     C, tp = cfg.vit_hidden, lay.vision_tp
     projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
-    tower_trains = stage == 3 or (train_layers is not None and "blocks" in train_layers)
-    if not tower_trains:
+    if not tower_trains(stage, train_layers):
         return projector
     per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
     # 1F1B keeps the encoder's activations of two micro-batches (forward m + 1 runs before backward m)
     return 2 * (cfg.vit_depth * per_block + projector)
 
 
-def plan(cfg, lay, args, cuda=True):
+def plan(cfg, lay, cuda=True):
     """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
     both modules on every rank, both kinds the same."""
-    distributed = not args.no_distributed_optimizer
-    params = parameter_bytes(cfg, lay, args, distributed, cuda)
-    act = {"vision": vision_activation_bytes(cfg, lay, args.stage, args.train_layers),
-           "language": language_activation_bytes(cfg, lay, args.micro_batch, args.activation_checkpointing)}
+    params = parameter_bytes(cfg, lay, cuda)
+    act = {"vision": vision_activation_bytes(cfg, lay, cfg.stage, cfg.train_layers),
+           "language": language_activation_bytes(cfg, lay, cfg.micro_batch, cfg.activation_checkpointing)}
     rows = {k: {"weights": params[k]["weights"], "gradients": params[k]["gradients"],
                 "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"],
                 "setup": params[k]["setup"]} for k in params}   # setup: apart from the training peak
@@ -138,42 +168,56 @@ def plan(cfg, lay, args, cuda=True):
     return rows
 
 
-def check_fits(cfg, lay, args, device):
-    """Refuse a layout whose planned training peak exceeds 90 % of this device's memory (CPU: RAM / local ranks),
-    or whose set-up peak exceeds 95 % (a few large allocations, little fragmentation; the Nano-shaped LoRA run set
-    up at 127.88 GiB on one H200, which the 90 % bar would have refused)."""
-    rows = plan(cfg, lay, args, cuda=device.type == "cuda")
-    need, setup = max(r["peak"] for r in rows.values()), max(r["setup"] for r in rows.values())
+def capacity(device):
+    """Bytes of memory one rank has: its GPU's, or on the CPU the machine's RAM shared by the local ranks."""
     if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
-    if need > 0.9 * have or setup > 0.95 * have:
-        what = (f"{need / GIB:.1f} GiB per rank (weights, gradients, optimizer state, activations)"
-                if need > 0.9 * have else f"{setup / GIB:.1f} GiB per rank while it sets up (every weight is "
-                                          f"initialised in fp32 before the bf16 cast)")
-        raise SystemExit(f"error: this layout does not fit: {lay.describe()} needs {what}, a rank here has "
-                         f"{have / GIB:.1f} GiB. Use more ranks (--lm-tp / --lm-ep / --vision-tp), "
-                         f"--activation-checkpointing, a smaller preset (tiny, small), or see "
-                         f"`--dry-run --world-size N` for the per-rank plan.")
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
-def dry_run(cfg, lay, args):
-    """Print the config, the layout, the plan per rank kind (GiB), then one JSON line (the last line)."""
+def required(rows):
+    """The memory per rank a plan (plan()'s rows, or some of them) needs: its training peak may use 90 % of a rank's
+    memory, its set-up peak 95 % (a few large allocations, little fragmentation; the Nano-shaped LoRA run set up at
+    127.88 GiB on one H200, which the 90 % bar would have refused)."""
+    return max(max(r["peak"] / TRAIN_SHARE, r["setup"] / SETUP_SHARE) for r in rows.values())
+
+
+def fits(rows, capacity):
+    """None when a plan fits `capacity` bytes per rank (required()), else the figure that does not, in words."""
+    if required(rows) <= capacity:
+        return None
+    peak = max(r["peak"] for r in rows.values())
+    if peak > TRAIN_SHARE * capacity:
+        return f"{peak / GIB:.1f} GiB per rank (weights, gradients, optimizer state, activations)"
+    setup = max(r["setup"] for r in rows.values())
+    return (f"{setup / GIB:.1f} GiB per rank while it sets up (every weight is initialised in fp32 before the bf16 "
+            "cast)")
+
+
+def dry_run(cfg, lay, capacity):
+    """Print the config, the layout, the plan per rank kind (GiB) and whether each kind fits `capacity` bytes per
+    rank, then one JSON line (the last line)."""
     total_lm, active_lm = model.count_language_params(cfg)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
     print("config:", json.dumps(vars(cfg)))
     print(lay.describe())
-    rows = plan(cfg, lay, args)
-    opt = "plain AdamW, fp32 weights" if args.no_distributed_optimizer else "distributed optimizer, bf16 weights"
-    print(f"memory plan per rank on CUDA ({opt}; micro-batch {args.micro_batch} x seq_len {cfg.seq_len}, "
-          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}; setup: the set-up peak, "
+    rows = plan(cfg, lay)
+    opt = "distributed optimizer, bf16 weights" if cfg.distributed_optimizer else "plain AdamW, fp32 weights"
+    print(f"memory plan per rank on CUDA ({opt}; micro-batch {cfg.micro_batch} x seq_len {cfg.seq_len}, "
+          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; setup: the set-up peak, "
           f"fp32 weights before the bf16 cast, over before the first step), GiB:")
     for kind, r in rows.items():
         print(f"  {kind:8s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
+    fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
+    print(f"against {capacity / GIB:.1f} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of it, "
+          f"the set-up peak {100 * SETUP_SHARE:.0f} %):")
+    for kind, r in rows.items():
+        print(f"  {kind:8s} {'fits' if fit[kind] else 'does NOT fit'} {capacity / GIB:.1f} GiB: peak "
+              f"{r['peak'] / GIB:.2f} GiB ({100 * r['peak'] / capacity:.0f} %), setup {r['setup'] / GIB:.2f} GiB "
+              f"({100 * r['setup'] / capacity:.0f} %)")
     print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
                       "params_vision": n_vision, "params_language": total_lm, "layout": lay.describe(),
                       "gib_per_rank": {k: {key: round(v / GIB, 2) for key, v in r.items()} for k, r in rows.items()},
-                      "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()}}))
+                      "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()},
+                      "capacity_gib": round(capacity / GIB, 2), "fits": fit}))

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 import comm
-import parallel
 
 BUCKET_BYTES = 64 * 2**20
 # torch 2.13 renamed these two (and warns on the old names), the CUDA image has torch 2.11
@@ -35,25 +34,26 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def plain(modules, args, device):
+def plain(modules, lr, weight_decay, device):
     """torch AdamW over the trainable parameters (--no-distributed-optimizer): fp32 weights, state and gradients."""
     decay, no_decay = [], []
     for m in modules:
         for p in m.parameters():
             if p.requires_grad:  # norms, biases, A_log, D, dt_bias are the 1-D parameters
                 (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def build(par, vision, lm, args, device):
+def build(par, vision, lm, cfg, device):
     """None where nothing trains; plain AdamW with --no-distributed-optimizer; else DistributedAdamW, and on CUDA
     bf16 weights (frozen ones too: they have no fp32 copy anywhere)."""
     modules = [m for m in (vision, lm) if m is not None]
     trains = any(p.requires_grad for m in modules for p in m.parameters())
-    if args.no_distributed_optimizer:
-        return plain(modules, args, device) if trains else None
-    opt = DistributedAdamW(domains(par, vision, lm), args, device) if trains else None
+    if not cfg.distributed_optimizer:
+        return plain(modules, cfg.lr, cfg.weight_decay, device) if trains else None
+    opt = DistributedAdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device,
+                           cfg.activation_checkpointing) if trains else None
     if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
         aliased = {id(p) for b in opt.buckets if b.alias for p in b.params} if opt else set()
         for m in modules:
@@ -75,8 +75,8 @@ def domains(par, vision, lm):
         out.append((par.vision.dp_cp, par.vision, [p for p in vision.parameters() if p.requires_grad]))
     if lm is not None:
         trained = [p for p in lm.parameters() if p.requires_grad]
-        out.append((par.lm.dp_cp, par.lm, [p for p in trained if not parallel.is_expert(p)]))
-        out.append((par.lm.edp, par.lm, [p for p in trained if parallel.is_expert(p)]))
+        out.append((par.lm.dp_cp, par.lm, [p for p in trained if not comm.is_expert(p)]))
+        out.append((par.lm.edp, par.lm, [p for p in trained if comm.is_expert(p)]))
     return out
 
 
@@ -131,11 +131,11 @@ class DistributedAdamW:
     """AdamW over the fp32 shards of the buckets of every domain; `param_groups` are its inner AdamW's (train.py
     sets lr on them)."""
 
-    def __init__(self, domain_list, args, device):
+    def __init__(self, domain_list, lr, weight_decay, device, checkpointing=False):
         self.buckets = []
         for group, groups, params in domain_list:
-            fp32 = bool(params) and fp32_weights(comm.group_size(group), parallel.is_expert(params[0]),
-                                                 device.type == "cuda", args.activation_checkpointing)
+            fp32 = bool(params) and fp32_weights(comm.group_size(group), comm.is_expert(params[0]),
+                                                 device.type == "cuda", checkpointing)
             for decay in (True, False):
                 bucket, size = [], 0
                 for p in (p for p in params if (p.ndim >= 2) == decay):
@@ -149,9 +149,9 @@ class DistributedAdamW:
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(_accumulate_fp32)
-        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": args.weight_decay},
+        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": weight_decay},
                   {"params": [b.main for b in self.buckets if not b.decay], "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
     @property
     def param_groups(self):   # AdamW.load_state_dict replaces its list
@@ -177,7 +177,7 @@ class DistributedAdamW:
                 _reduce_scatter(b.main.grad, b.grad, group=b.group)
             for p, a, e, s in b.segments():
                 piece = b.main.grad[s:s + e - a]
-                (counted if parallel.counted_in_replica(p, b.groups) else copies).append(piece)
+                (counted if comm.counted_in_replica(p, b.groups) else copies).append(piece)
         return counted, copies
 
     def shard_grads(self):

@@ -1,12 +1,12 @@
-"""Rank layout, process groups and the gradient step (spec: shared/spec/parallel.md; the bridge is bridge.py).
+"""Rank grids, process groups and the gradient step (spec: shared/spec/parallel.md; the layout is layout.py, the
+bridge bridge.py).
 
 The vision encoder and the language model each live on a grid of ranks. Hetero: vision on [0, V), language on
 [V, V+L). Colocated: both on every rank. Read top to bottom:
 
-  1. Layout   sizes, validation and choosing the run's layout; pure, runs before init_process_group (D2).
-  2. Grid     a rank tensor `arange(size).view(pp, dp, cp, tp) + offset`; every group is a slice of it (§2).
-  3. Setup    every group of every grid, created in one fixed order on every rank (§4.1).
-  4. Step     DP gradient reduction, global token count, global grad norm, clipping, step consensus (§7).
+  1. Grid     a rank tensor `arange(size).view(pp, dp, cp, tp) + offset`; every group is a slice of it (§2).
+  2. Setup    every group of every grid, created in one fixed order on every rank (§4.1).
+  3. Step     DP gradient reduction, global token count, global grad norm, clipping, step consensus (§7).
 """
 import math
 from dataclasses import dataclass, field
@@ -14,157 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
-# ==================================================================================================================
-# 1. Layout
-# ==================================================================================================================
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of both grids. cp and pp are kept as dims of the language grid but must be 1 in this version."""
-    world: int
-    colocated: bool
-    vision_tp: int
-    vision_dp: int
-    lm_tp: int
-    lm_dp: int
-    lm_ep: int = 1
-    lm_etp: int = 1
-    micro_batch: int = 1            # samples per language lane per microbatch (mbs)
-    global_batch: int = 1           # samples per optimizer step
-    lm_cp: int = 1
-    lm_pp: int = 1
-
-    @property
-    def vision_size(self):
-        return self.vision_tp * self.vision_dp
-
-    @property
-    def lm_size(self):
-        return self.lm_tp * self.lm_cp * self.lm_dp * self.lm_pp
-
-    @property
-    def lm_offset(self):            # vision always starts at rank 0
-        return 0 if self.colocated else self.vision_size
-
-    @property
-    def lm_edp(self):               # expert data parallel: what is left of the language grid after etp x ep x pp
-        return self.lm_size // (self.lm_etp * self.lm_ep * self.lm_pp)
-
-    @property
-    def samples_per_microbatch(self):   # one global microbatch spans every language lane
-        return self.micro_batch * self.lm_dp
-
-    @property
-    def vision_micro_batch(self):       # samples one vision lane encodes per microbatch (mbs*k fan-out, mbs/k fan-in)
-        return self.samples_per_microbatch // self.vision_dp
-
-    @property
-    def num_microbatches(self):         # counted from language dp, identical on both grids (§6.2)
-        return self.global_batch // self.samples_per_microbatch
-
-    def describe(self):
-        vision = f"vision {self.vision_size} (tp{self.vision_tp} x dp{self.vision_dp})"
-        lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}; "
-              f"experts etp{self.lm_etp} x ep{self.lm_ep} x edp{self.lm_edp})")
-        if self.colocated:
-            return f"colocated layout on {self.world} ranks: {vision}, {lm}"
-        return f"hetero layout: {vision} on [0,{self.vision_size}) + {lm} on [{self.vision_size},{self.world})"
-
-
-def check_layout(lay, cfg):
-    """Every rule of spec D2 plus the model's divisibility needs. Raises one SystemExit listing all problems."""
-    vision = f"vision {lay.vision_size} (tp{lay.vision_tp} x dp{lay.vision_dp})"
-    lm = f"language {lay.lm_size} (tp{lay.lm_tp} x cp{lay.lm_cp} x dp{lay.lm_dp} x pp{lay.lm_pp})"
-    errors = []
-    if lay.colocated:
-        if lay.vision_size != lay.world or lay.lm_size != lay.world:
-            errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
-        if (lay.vision_tp, lay.vision_dp) != (lay.lm_tp, lay.lm_dp):
-            errors.append(f"colocated layout needs vision tp/dp == language tp/dp (vision tp{lay.vision_tp} dp"
-                          f"{lay.vision_dp}, language tp{lay.lm_tp} dp{lay.lm_dp}): moving encoder rows between "
-                          "different colocated shapes is not implemented; use a hetero layout")
-    elif lay.vision_size + lay.lm_size != lay.world:
-        errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
-    sizes = {k: getattr(lay, k) for k in ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp",
-                                          "micro_batch", "global_batch", "lm_cp", "lm_pp")}
-    bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
-    if bad:  # the checks below divide by these
-        raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
-                         + "".join(f"; {e}" for e in errors))
-    if lay.lm_cp != 1 or lay.lm_pp != 1:
-        errors.append(f"language cp{lay.lm_cp} pp{lay.lm_pp}: this version supports cp = pp = 1 only")
-    # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
-    for name in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "vocab_size",
-                 "intermediate_size", "moe_shared_expert_intermediate_size"):
-        if getattr(cfg, name) % lay.lm_tp:
-            errors.append(f"lm_tp {lay.lm_tp} does not divide {name} {getattr(cfg, name)}")
-    for name in ("vit_heads", "vit_mlp"):
-        if getattr(cfg, name) % lay.vision_tp:
-            errors.append(f"vision_tp {lay.vision_tp} does not divide {name} {getattr(cfg, name)}")
-    etp_ep_pp = lay.lm_etp * lay.lm_ep * lay.lm_pp
-    if lay.lm_size % etp_ep_pp:
-        errors.append(f"{lm} is not divisible by etp{lay.lm_etp} x ep{lay.lm_ep} x pp{lay.lm_pp} = {etp_ep_pp}, "
-                      "so the expert data-parallel size is not whole")
-    if cfg.n_routed_experts % lay.lm_ep:
-        errors.append(f"lm_ep {lay.lm_ep} does not divide n_routed_experts {cfg.n_routed_experts}")
-    if cfg.moe_intermediate_size % lay.lm_etp:
-        errors.append(f"lm_etp {lay.lm_etp} does not divide moe_intermediate_size {cfg.moe_intermediate_size}")
-    vdp, ldp = lay.vision_dp, lay.lm_dp
-    if max(vdp, ldp) % min(vdp, ldp):
-        errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
-    if lay.samples_per_microbatch % vdp:
-        errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {lay.samples_per_microbatch} samples "
-                      f"per microbatch do not split evenly over vision dp {vdp}")
-    if lay.global_batch % lay.samples_per_microbatch:
-        errors.append(f"global_batch {lay.global_batch} is not divisible by micro_batch {lay.micro_batch} x "
-                      f"language dp {ldp} = {lay.samples_per_microbatch}")
-    if errors:
-        raise SystemExit("bad parallel layout: " + "; ".join(errors))
-    return lay
-
-
-def plan_layout(cfg, world, micro_batch, global_batch, *, vision_tp=None, vision_dp=None, lm_tp=None, lm_dp=None,
-                lm_ep=None, lm_etp=None, colocated=None):
-    """The run's layout from argparse values (None = flag not given); checked before any collective.
-
-    - No grid flag: the preset's reference layout (cfg.vision_tp ...) when world == cfg.reference_world (hetero when
-      its vision sizes are > 0, else colocated with the language sizes), otherwise colocated data parallel over all
-      ranks (tp = ep = etp = 1, dp = world).
-    - Any grid flag replaces the reference entirely: missing tp / ep / etp are 1 (colocated vision tp follows lm_tp),
-      a missing dp is derived: colocated dp = world / tp; hetero takes the ranks the other grid leaves.
-    - `colocated` defaults to: the reference's kind at the reference world, else hetero iff a vision flag is given.
-    """
-    flags = dict(vision_tp=vision_tp, vision_dp=vision_dp, lm_tp=lm_tp, lm_dp=lm_dp, lm_ep=lm_ep, lm_etp=lm_etp)
-    given = {k: v for k, v in flags.items() if v is not None}
-    ref_hetero = cfg.vision_tp > 0 and cfg.vision_dp > 0
-    at_reference = world == cfg.reference_world and not given
-    if colocated is None:
-        colocated = (not ref_hetero) if at_reference else (vision_tp is None and vision_dp is None)
-    if at_reference and colocated == (not ref_hetero):
-        v = (cfg.vision_tp, cfg.vision_dp) if ref_hetero else (cfg.lm_tp, cfg.lm_dp)
-        s = dict(vision_tp=v[0], vision_dp=v[1], lm_tp=cfg.lm_tp, lm_dp=cfg.lm_dp, lm_ep=cfg.lm_ep,
-                 lm_etp=cfg.lm_etp)
-    else:
-        s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1)
-        s.update(given)
-        if colocated:
-            s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
-            s["lm_dp"] = s["lm_dp"] or world // s["lm_tp"]
-            s["vision_dp"] = s["vision_dp"] or world // s["vision_tp"]
-        elif s["vision_dp"] is None and s["lm_dp"] is None:
-            raise SystemExit("bad parallel layout: a hetero layout needs --vision_dp or --lm_dp (the other is "
-                             "derived from WORLD_SIZE)")
-        elif s["vision_dp"] is None:
-            s["vision_dp"] = (world - s["lm_tp"] * s["lm_dp"]) // s["vision_tp"]
-        elif s["lm_dp"] is None:
-            s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // s["lm_tp"]
-    lay = Layout(world=world, colocated=bool(colocated), micro_batch=micro_batch, global_batch=global_batch, **s)
-    return check_layout(lay, cfg)
+import comm
+from layout import Layout, check_layout
 
 
 # ==================================================================================================================
-# 2. Grid
+# 1. Grid
 # ==================================================================================================================
 
 class Grid:
@@ -237,7 +92,7 @@ def lane_samples(lay, side, lane):
 
 
 # ==================================================================================================================
-# 3. Setup
+# 2. Setup
 # ==================================================================================================================
 
 @dataclass
@@ -375,22 +230,13 @@ def print_ranks(par):
 
 
 # ==================================================================================================================
-# 4. Gradients and the step
+# 3. Gradients and the step
 # ==================================================================================================================
 # Why not DDP: gradients accumulate over all microbatches and are reduced once, explicitly, after the last one
 # (text-only encoder ranks would never fire DDP's grad-ready hooks, §5.7); dense and expert parameters of one module
 # reduce over different groups; and the two modules sit on different grids. A flat bucketed all-reduce is all we need.
 
 BUCKET_BYTES = 25 * 2**20
-
-
-def shard_kinds(p):
-    """{"tp", "ep", "etp"} subset from comm.mark_shard; empty for parameters replicated within the module's tp."""
-    return {s[0] for s in getattr(p, "shards", ())}
-
-
-def is_expert(p):
-    return "ep" in shard_kinds(p)
 
 
 def _device():
@@ -431,8 +277,8 @@ def reduce_gradients(par, vision_params=(), lm_params=(), bucket_bytes=BUCKET_BY
         allreduce_grads(vision_params, par.vision.dp_cp, bucket_bytes)
     if par.lm is not None:
         lm_params = list(lm_params)
-        allreduce_grads([p for p in lm_params if not is_expert(p)], par.lm.dp_cp, bucket_bytes)
-        allreduce_grads([p for p in lm_params if is_expert(p)], par.lm.edp, bucket_bytes)
+        allreduce_grads([p for p in lm_params if not comm.is_expert(p)], par.lm.dp_cp, bucket_bytes)
+        allreduce_grads([p for p in lm_params if comm.is_expert(p)], par.lm.edp, bucket_bytes)
 
 
 def global_token_count(par, local_tokens):
@@ -465,21 +311,12 @@ def on_every_rank(fn, *args, **kwargs):
     return out
 
 
-def counted_in_replica(p, m):
-    """Whether this rank's copy of p counts in the norm of one data-parallel replica: tp-sharded parameters on
-    every tp rank, replicated ones on tp rank 0; experts on every ep rank, on etp rank 0 unless etp-sharded."""
-    kinds = shard_kinds(p)
-    if "ep" in kinds:
-        return "etp" in kinds or m.etp_rank == 0
-    return "tp" in kinds or m.tp_rank == 0
-
-
 def _unique_here(p, m):
     """Whether this rank holds the copy of p's gradient that the global norm counts (each element exactly once):
     after the DP reduction every dp replica is identical, so only dp (and cp) rank 0 (edp 0 for experts) counts."""
-    if is_expert(p):
-        return m.edp_rank == 0 and counted_in_replica(p, m)
-    return m.dp_rank == 0 and m.cp_rank == 0 and counted_in_replica(p, m)
+    if comm.is_expert(p):
+        return m.edp_rank == 0 and comm.counted_in_replica(p, m)
+    return m.dp_rank == 0 and m.cp_rank == 0 and comm.counted_in_replica(p, m)
 
 
 def grad_lists(par, vision_params=(), lm_params=()):

@@ -36,7 +36,7 @@ import checkpoint
 import config
 import data
 import failsafe
-import hf_interop
+import layout
 import logs
 import lora
 import memory
@@ -45,6 +45,7 @@ import model
 import moe
 import optim
 import parallel
+import resume
 from bridge import Bridge
 from radio import VisionModel
 
@@ -54,106 +55,58 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field can be overridden "
-                                "with --FIELD VALUE (see config.py), e.g. --seq-len 128 --hidden-size 256.")
-    p.add_argument("--preset", default="tiny", choices=sorted(config.PRESETS))
-    p.add_argument("--steps", type=int, default=20, help="total optimizer steps of the run (resumed runs too)")
-    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=1, help="samples per language lane per micro-batch")
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--min-lr", type=float, default=2e-6)
-    p.add_argument("--lr-schedule", choices=["cosine", "wsd", "constant"], default="cosine")
-    p.add_argument("--lr-warmup-iters", type=int, default=0)
-    p.add_argument("--lr-decay-iters", type=int, default=None, help="default: --steps")
-    p.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD decay tail; default 10%% of decay")
-    p.add_argument("--lr-wsd-decay-style", choices=["linear", "minus_sqrt"], default="linear")
-    p.add_argument("--train-samples", type=int, default=None, help="sample-based schedule (Megatron style)")
-    p.add_argument("--lr-warmup-samples", type=int, default=0)
-    p.add_argument("--lr-decay-samples", type=int, default=None)
-    p.add_argument("--lr-wsd-decay-samples", type=int, default=None)
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data", default="mock", help="mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted "
-                   "blend '0.7:a.jsonl,0.3:b/*.parquet'")
-    p.add_argument("--eval-data", default=None, help="held-out data (file or blend) for --eval-every, with any --data")
-    p.add_argument("--eval-frac", type=float, default=0.0, help="else hold out the last FRAC of every --data file")
-    p.add_argument("--tokenizer", default=None, help="HF tokenizer directory (its chat template renders chats) or "
-                   "tokenizer.json; default: offline byte-level tokenizer")
-    p.add_argument("--train-on", choices=["assistant", "all"], default="assistant", help="chat tokens with loss")
-    p.add_argument("--pack", action="store_true", help="pack documents into seq_len rows (document masks)")
-    p.add_argument("--skip-bad-samples", action="store_true", help="skip and count bad JSONL lines, not fail")
-    p.add_argument("--overlong", choices=["error", "skip", "truncate"], default="error",
-                   help="a document longer than seq_len: fail (counted skip under --skip-bad-samples), skip, or "
-                   "truncate it (never inside an image)")
-    p.add_argument("--data-columns", default=None, help="parquet columns, e.g. messages=conversations,images=image")
-    p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers; default 2 on GPU, 0 on CPU")
-    p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3],
-                   help="1: projector only, 2: vision tower frozen, 3: everything")
-    p.add_argument("--train-layers", default=None, help="regex over vision.* / language.* names (overrides --stage)")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--no-distributed-optimizer", action="store_true", help="plain AdamW: fp32 weights, gradients "
-                   "and state replicated over data parallel (default: sharded, bf16 weights on CUDA; optim.py)")
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (lora.py)")
-    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale = alpha / rank")
-    p.add_argument("--lora-targets", default=None, help="regex over full layer names (default: lora.TARGETS)")
-    p.add_argument("--moe-dispatcher", choices=["alltoall", "deepep"], default="alltoall")
-    p.add_argument("--moe-force-balance", action="store_true", help="benchmarks only: route every token to fixed "
-                   "experts in turn, so all experts get the same rows (the routers of published throughputs)")
-    for name in ("vision-tp", "vision-dp", "lm-tp", "lm-dp", "lm-ep", "lm-etp"):
-        p.add_argument(f"--{name}", type=int, default=None)
-    p.add_argument("--colocated", action="store_true", help="both modules on every rank")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--metrics-file", default=None)
-    p.add_argument("--moe-stats-every", type=int, default=10)
-    p.add_argument("--tensorboard", default=None)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--eval-samples", type=int, default=None, help="an evaluation scores the first N eval samples; "
-                   f"default: the whole eval data ({MOCK_EVAL_SAMPLES} of mock data)")
-    p.add_argument("--dry-run", action="store_true", help="print sizes and the memory plan per rank (memory.py), exit")
-    p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for N ranks (default WORLD_SIZE)")
-    p.add_argument("--save", default=None, help="save directory: DIR/step_N/ + DIR/latest (see checkpoint.py)")
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (always: last step, signal)")
-    p.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (0: all)")
-    p.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
-    p.add_argument("--load", default=None, help="resume from DIR (its `latest`) or DIR/step_N, any layout; or start from an HF "
-                   "nemotron_h_omni / nemotron_h directory (weights and model config from it)")
-    p.add_argument("--finetune", action="store_true", help="with --load: weights only (fresh optimizer, counters)")
+    """-> (the invocation's own flags, {Config field: value} of the flags given; config.add_arguments)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False, epilog="Every Config field "
+                                "(config.py) is a flag, e.g. --seq-len 128 --hidden-size 256.")
+    p.add_argument("--load", default=None, help="resume DIR's run (its newest step) or DIR/step_N, any layout; or start "
+                   "from an HF nemotron_h_omni / nemotron_h directory (resume.py)")
+    p.add_argument("--finetune", action="store_true", help="with --load of a checkpoint: a new run from its weights "
+                   "(fresh optimizer, counters)")
     p.add_argument("--no-load-optim", action="store_true")
     p.add_argument("--no-load-rng", action="store_true")
     p.add_argument("--eval-only", action="store_true", help="evaluate (the --load checkpoint), print JSON, exit")
+    p.add_argument("--dry-run", action="store_true", help="print sizes and the memory plan per rank (memory.py), exit")
+    p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for N ranks (default WORLD_SIZE)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="with --dry-run: GiB of one device the layout must "
+                   "fit (a run uses its device's)")
     p.add_argument("--debug", action="store_true", help="show the traceback of a user error")
+    config.add_arguments(p)
     p.error = lambda message: exit_usage(message)   # one line, one rank, like every user error (see cli)
-    args, rest = p.parse_known_args(argv)
-    return args, parse_overrides(rest, p.error, p._option_string_actions)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    inv, rest = p.parse_known_args([_dashes(a) for a in argv])
+    if rest:
+        unknown_flag(rest[0], p)
+    given = config.given(inv)
+    for k in given:
+        delattr(inv, k)
+    return inv, given
+
+
+def config_of(argv):
+    """The Config of a command line that loads nothing (tests, bench.py)."""
+    return config.resolve(*(lambda given: (given.get("preset", config.Config.preset), given))(parse_args(argv)[1]))
+
+
+def _dashes(arg):
+    """--seq_len -> --seq-len (both spellings are accepted; values are left alone)."""
+    if not arg.startswith("--"):
+        return arg
+    key, eq, value = arg.partition("=")
+    return key.replace("_", "-") + eq + value
 
 
 def exit_usage(message):
     raise SystemExit(f"{message}. See --help")
 
 
-def parse_overrides(rest, error, flags=()):
-    """--field value | --field=value (what argparse left over) -> {field: value string} config overrides. A key
-    that is no config field is a typo: the error names the closest flag or field."""
-    overrides, i = {}, 0
-    while i < len(rest):
-        if not rest[i].startswith("--"):
-            error(f"unexpected argument {rest[i]!r}")
-        key, eq, value = rest[i][2:].partition("=")
-        if not eq:
-            if i + 1 >= len(rest):
-                error(f"--{key} needs a value")
-            value, i = rest[i + 1], i + 1
-        overrides[key.replace("-", "_")] = value
-        i += 1
-    fields = [f.name.replace("_", "-") for f in dataclasses.fields(config.Config)]
-    for key in overrides:
-        if key not in config.Config.__dataclass_fields__:
-            names = fields + [f[2:] for f in flags if f.startswith("--")]
-            close = difflib.get_close_matches(key.replace("_", "-"), names, 1)
-            raise SystemExit(f"unknown flag --{key.replace('_', '-')}. " +
-                             (f"Did you mean --{close[0]}?" if close else "See --help"))
-    return overrides
+def unknown_flag(arg, parser):
+    """A flag that is none of ours is a typo: the error names the closest one."""
+    if not arg.startswith("--"):
+        raise SystemExit(f"unexpected argument {arg!r}. See --help")
+    key = arg[2:].partition("=")[0]
+    names = [f[2:] for f in parser._option_string_actions if f.startswith("--")]
+    close = difflib.get_close_matches(key, names, 1)
+    raise SystemExit(f"unknown flag --{key}. " + (f"Did you mean --{close[0]}?" if close else "See --help"))
 
 
 def peak_tflops(device):
@@ -162,53 +115,32 @@ def peak_tflops(device):
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def learning_rate(args, it, samples):
+def learning_rate(cfg, it, samples):
     """LR after `it` successful steps / `samples` consumed samples: linear warmup, then cosine / WSD / constant."""
-    if args.train_samples:
-        x, warm, end, tail = samples, args.lr_warmup_samples, args.lr_decay_samples or args.train_samples, \
-            args.lr_wsd_decay_samples
+    if cfg.train_samples:
+        x, warm, end, tail = samples, cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples, \
+            cfg.lr_wsd_decay_samples
     else:
-        x, warm, end, tail = it, args.lr_warmup_iters, args.lr_decay_iters or args.steps, args.lr_wsd_decay_iters
+        x, warm, end, tail = it, cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.steps, cfg.lr_wsd_decay_iters
     if x < warm:
-        return args.lr * (x + 1) / warm
-    if args.lr_schedule == "constant":
-        return args.lr
-    if args.lr_schedule == "cosine":
+        return cfg.lr * (x + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "cosine":
         progress = min(max((x - warm) / max(end - warm, 1), 0.0), 1.0)
-        return args.min_lr + (args.lr - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     tail = tail or max((end - warm) // 10, 1)
     f = min(max((x - (end - tail)) / tail, 0.0), 1.0)           # 0 while stable, 1 at the end of the tail
-    drop = f if args.lr_wsd_decay_style == "linear" else math.sqrt(f)
-    return args.min_lr + (args.lr - args.min_lr) * (1 - drop)
-
-
-
-
-def hf_model(args, overrides, say):
-    """--load HF_DIR: (the Config from its config.json plus --preset for the fields HF does not carry, the directory
-    as a checkpoint source). The model's shape is the directory's: shape overrides are refused. Its tokenizer is
-    the default --tokenizer when it holds one."""
-    shape = sorted(k for k in overrides if k in checkpoint.MODEL_FIELDS and k != "image_token_id")
-    if shape:
-        raise SystemExit(f"--load {args.load} is an HF directory: the model's shape comes from its config.json; "
-                         f"drop {', '.join('--' + k.replace('_', '-') for k in shape)}")
-    token = overrides.pop("image_token_id", None)
-    source = hf_interop.HFSource(args.load, args.preset, None if token is None else int(token), seed=args.seed,
-                                 say=say)
-    if args.tokenizer is None and os.path.exists(os.path.join(args.load, "tokenizer_config.json")):
-        args.tokenizer = args.load
-    say(f"--load {args.load}: HF {'VLM' if source.omni else 'language model'}, fields HF does not carry from "
-        f"--preset {args.preset}, tokenizer {args.tokenizer or 'byte-level (the default)'}")
-    return config.from_values(dataclasses.asdict(source.cfg), overrides), source
-
+    drop = f if cfg.lr_wsd_decay_style == "linear" else math.sqrt(f)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - drop)
 
 
 @dataclasses.dataclass
 class Run:
     """What the parts of one run share: setup() fills it, train_step() / evaluate() / train() read it."""
-    args: argparse.Namespace
-    cfg: config.Config
-    lay: parallel.Layout
+    cfg: config.Config                   # the run (config.py); its record is what a checkpoint saves
+    start: resume.Start                  # where its weights and files come from
+    lay: layout.Layout
     par: object                          # parallel.setup(): this rank's groups and coordinates
     device: torch.device
     log_rank: bool                       # language tp 0 / dp 0 prints (it knows the loss)
@@ -216,6 +148,7 @@ class Run:
     vision: VisionModel = None
     lm: model.LanguageModel = None
     opt: torch.optim.Optimizer = None
+    tokenizer: object = None             # data.load_tokenizer's (a checkpoint saves a copy)
     train_data: object = None
     train_loader: data.Loader = None
     eval_set: data.EvalSet = None        # the fixed samples every evaluation scores
@@ -225,7 +158,6 @@ class Run:
     flops: int = 0                       # model FLOPs this rank counted in the current step (MFU)
     real_tokens: int = 0                 # non-padding tokens of this language lane in the current step
     expert_counts: torch.Tensor = None   # per MoE layer and expert, the current step's routed tokens
-    argv: list = None                    # the command line's flags (the closing summary's resume line)
 
     @property
     def modules(self):
@@ -235,19 +167,19 @@ class Run:
 def main(argv=None):
     """Train (or with --eval-only evaluate) -> (one dict per step, or [the eval result]; {"vision"/"language": module
     this rank holds})."""
-    args, overrides = parse_args(argv)
-    args.load = failsafe.requeue(args, say=print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None)
-    cfg, hf_source = resolve_config(args, overrides)
-    failsafe.check_args(args, cfg)
-    grid_flags = dict(vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp, lm_dp=args.lm_dp,
-                      lm_ep=args.lm_ep, lm_etp=args.lm_etp, colocated=True if args.colocated else None)
-    world = args.world_size if args.dry_run and args.world_size else int(os.environ.get("WORLD_SIZE", 1))
-    lay = parallel.plan_layout(cfg, world, args.micro_batch, args.global_batch, **grid_flags)
-    if args.dry_run:
-        return memory.dry_run(cfg, lay, args)
-    run = setup(args, cfg, lay, hf_source)
-    run.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.eval_only:  # the last line printed is the JSON result
+    inv, given = parse_args(argv)
+    say = print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None
+    world = inv.world_size if inv.dry_run and inv.world_size else int(os.environ.get("WORLD_SIZE", 1))
+    cfg, start = resume.resolve(inv, given, world, say)
+    failsafe.check_args(cfg)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
+        torch.device("cpu")
+    capacity = inv.gpu_memory * memory.GIB if inv.dry_run else memory.capacity(device)
+    lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say, strict=not inv.dry_run)
+    if inv.dry_run:
+        return memory.dry_run(cfg, lay, capacity)
+    run = setup(cfg, inv, lay, start, device)
+    if inv.eval_only:  # the last line printed is the JSON result
         result = evaluate(run)
         if run.log_rank:
             print(json.dumps(result), flush=True)
@@ -259,30 +191,9 @@ def main(argv=None):
     return history, run.modules
 
 
-def resolve_config(args, overrides):
-    """(Config, HF checkpoint source or None): from --load HF_DIR, the --eval-only checkpoint, or --preset."""
-    if args.load and hf_interop.is_hf_dir(args.load):  # an HF directory: its model, fresh optimizer and counters
-        say = print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None
-        return hf_model(args, overrides, say)
-    if args.eval_only and args.load:  # evaluate the checkpoint's model, whatever --preset says
-        return checkpoint_call(checkpoint.saved_config, args.load, overrides), None
-    return config.resolve(args.preset, overrides), None
-
-
-def checkpoint_call(fn, *args, **kwargs):
-    """fn of checkpoint.py, its errors (a missing or mismatched checkpoint) as user errors."""
-    try:
-        return fn(*args, **kwargs)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"{e}. Check --load (a save directory or DIR/step_N of a run of this model)") from None
-
-
-def setup(args, cfg, lay, hf_source):
-    """Devices, process groups, models, optimizer, data and the --load checkpoint -> Run."""
+def setup(cfg, inv, lay, start, device):
+    """Process groups, models, optimizer, data and the weights to start from -> Run."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
-        torch.device("cpu")
-    memory.check_fits(cfg, lay, args, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     own_group = not dist.is_initialized()
@@ -292,59 +203,60 @@ def setup(args, cfg, lay, hf_source):
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
-    run = Run(args, cfg, lay, par, device, par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0,
+    run = Run(cfg, start, lay, par, device, par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0,
               own_group)
     if par.in_vision:
-        torch.manual_seed(args.seed + 10000)
+        torch.manual_seed(cfg.seed + 10000)
         run.vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
-        torch.manual_seed(args.seed + 30000 + par.vision.dp_rank)
+        torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
         with torch.device(device):
             run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp},
-                                         args.moe_dispatcher)
+                                         cfg.moe_dispatcher)
         coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
-        model.init_weights(run.lm, args.seed + 20000, coords, cfg)
-        run.lm.checkpoint_layers = args.activation_checkpointing
+        model.init_weights(run.lm, cfg.seed + 20000, coords, cfg)
+        run.lm.checkpoint_layers = cfg.activation_checkpointing
         for m in run.lm.modules():
             if isinstance(m, moe.Router):
-                m.force_balance = args.moe_force_balance
-    model.set_trainable(run.modules, args.stage, args.train_layers)
-    if args.lora_rank:  # adapters only: everything else frozen
-        lora.apply(run.modules, args, par, args.seed + 40000)
-    run.opt = optim.build(par, run.vision, run.lm, args, device)
+                m.force_balance = cfg.moe_force_balance
+    model.set_trainable(run.modules, cfg.stage, cfg.train_layers)
+    if cfg.lora_rank:  # adapters only: everything else frozen
+        lora.apply(run.modules, cfg, par, cfg.seed + 40000)
+    run.opt = optim.build(par, run.vision, run.lm, cfg, device)
 
-    run.train_data, eval_data = datasets(args, cfg, run.log_rank)
-    if args.skip_bad_samples and args.data != "mock":  # also load-time failures, agreed by all ranks each step
+    run.tokenizer = data.load_tokenizer(start.tokenizer, cfg)
+    run.train_data, eval_data = datasets(cfg, run.tokenizer, run.log_rank)
+    if cfg.skip_bad_samples and cfg.data != "mock":  # also load-time failures, agreed by all ranks each step
         run.train_data = failsafe.SkipBad(run.train_data)
-    if args.eval_only and eval_data is None:
+    if inv.eval_only and eval_data is None:
         eval_data = run.train_data
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
-    workers = args.num_workers if args.num_workers is not None else (2 if device.type == "cuda" else 0)
+    workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
     run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers)
     if eval_data is not None:
-        if args.eval_samples is not None and args.eval_samples < 1:
-            raise SystemExit(f"--eval-samples {args.eval_samples}: an evaluation needs at least one sample")
-        n = args.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
+        if cfg.eval_samples is not None and cfg.eval_samples < 1:
+            raise SystemExit(f"--eval-samples {cfg.eval_samples}: an evaluation needs at least one sample")
+        n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
         run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
-    if args.load:  # any saved layout; resumes weights, AdamW, counters, RNG and data position (see checkpoint.py)
+    if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
         run.counters = parallel.on_every_rank(  # one rank's error (its rank json) ends every rank
-            checkpoint_call, checkpoint.load, hf_source or args.load, par, run.modules, run.opt, cfg, run.train_loader,
-            finetune=args.finetune or hf_source is not None, load_optim=not (args.no_load_optim or args.eval_only),
-            load_rng=not args.no_load_rng)
+            resume.call, checkpoint.load, start.load, par, run.modules, run.opt, cfg, run.train_loader,
+            finetune=start.weights_only, load_optim=not (inv.no_load_optim or inv.eval_only),
+            load_rng=not inv.no_load_rng)
     return run
 
 
-def datasets(args, cfg, verbose):
-    """(train data, eval data or None) of --data and --eval-data: JSONL files / blends, or the mock task."""
-    if args.data != "mock":
-        return data.build(args, cfg, verbose)
-    train_data = mock.MockData(cfg, args.seed)
-    if args.eval_data:
-        return data.build(args, cfg, verbose, train=train_data)
-    return train_data, mock.MockData(cfg, args.seed + 1)
+def datasets(cfg, tokenizer, verbose):
+    """(train data, eval data or None) of --data and --eval-data: data files / blends, or the mock task."""
+    if cfg.data != "mock":
+        return data.build(cfg, tokenizer, verbose)
+    train_data = mock.MockData(cfg, cfg.seed)
+    if cfg.eval_data:
+        return data.build(cfg, tokenizer, verbose, train=train_data)
+    return train_data, mock.MockData(cfg, cfg.seed + 1)
 
 
 def microbatch(run, ds, first, train):
@@ -405,13 +317,13 @@ def reduce_loss(run, loss_sum):
 def train_step(run, step, stop):
     """One optimizer step (the module docstring) -> its history entry, or None when a signal (`stop`, every rank
     agreeing at micro-batch boundaries) abandoned it; updates run.counters."""
-    args, lay, lm, c = run.args, run.lay, run.lm, run.counters
+    cfg, lay, lm, c = run.cfg, run.lay, run.lm, run.counters
     t0 = time.perf_counter()
     rng = failsafe.rng_state()
-    lr = learning_rate(args, c["good_steps"], c["good_steps"] * args.global_batch)  # skipped steps advance neither
+    lr = learning_rate(cfg, c["good_steps"], c["good_steps"] * cfg.global_batch)  # skipped steps advance neither
     for g in run.opt.param_groups if run.opt is not None else ():
         g["lr"] = lr
-    base, n_micro = step * args.global_batch, lay.num_microbatches
+    base, n_micro = step * cfg.global_batch, lay.num_microbatches
     batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
     if isinstance(run.train_data, failsafe.SkipBad):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
@@ -433,19 +345,21 @@ def train_step(run, step, stop):
         run.bridge.backward_encoder()
     vparams = list(run.vision.parameters()) if run.vision is not None else []
     lparams = list(lm.parameters()) if lm is not None else []
-    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, args.clip_grad, run.opt)
+    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, cfg.clip_grad, run.opt)
     run.expert_counts = None
     if ok:
         if run.opt is not None:
             run.opt.step()
         if lm is not None:
-            run.expert_counts = moe.update_expert_bias(lm, run.cfg.moe_bias_update_rate, run.par.lm.tp_dp)
+            # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
+            rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
+            run.expert_counts = moe.update_expert_bias(lm, rate, run.par.lm.tp_dp)
         c["good_steps"] += 1
     else:
         c["skipped"] += 1
         if lm is not None:
             moe.discard_expert_counts(lm)
-    c["consumed_samples"] += args.global_batch
+    c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
     if run.opt is not None:
         run.opt.zero_grad(set_to_none=True)
@@ -478,36 +392,36 @@ def evaluate(run):
 
 def step_record(run, h, log):
     """The step's log record from its history entry (every rank takes part: two collectives)."""
-    args, world = run.args, dist.get_world_size()
+    cfg, world = run.cfg, dist.get_world_size()
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
     h["model_flops"] = sum(f for _, f in per_rank)
     h["tokens"] = tokens = parallel.global_token_count(run.par, run.real_tokens)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
-    rec = {"step": h["step"], "steps": args.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
+    rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
            "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
            "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
            "step_time_s": dt, "elapsed_s": elapsed,
-           "eta_s": elapsed / (h["step"] - log.first) * (args.steps - h["step"]),
+           "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
            "peak_mem_gib_per_rank": [m for m, _ in per_rank]}
-    if run.expert_counts is not None and args.moe_stats_every and (h["step"] - 1) % args.moe_stats_every == 0:
+    if run.expert_counts is not None and cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0:
         rec["moe"] = logs.moe_stats(run.expert_counts)
     return rec
 
 
 def train(run):
     """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step)."""
-    args, cfg = run.args, run.cfg
-    saver = checkpoint.Saver(args.save, run.par, cfg, run.modules, run.opt, args, run.train_loader) \
-        if args.save else None  # checks --save is writable on every rank
-    log = logs.Log(args, run.log_rank, args.steps, run.counters["step"])
+    cfg, start = run.cfg, run.start
+    saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, lambda d: \
+        resume.write_run_files(d, run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable
+    log = logs.Log(cfg, run.log_rank, run.counters["step"])
     if run.log_rank:
         summaries = [logs.data_summary("train", run.train_data)]
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
-        log.start(cfg, args.save, summaries, logs.param_counts(cfg, args))
+        log.start(cfg, summaries, logs.param_counts(cfg))
     if run.device.type == "cuda":   # step lines report the training peak; set-up's (fp32 init before the cast) apart
         log.say(f"set-up peak memory {logs.peak_memory_gib(run.device):.2f} GiB")
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -516,28 +430,28 @@ def train(run):
     bad_steps = 0  # consecutive skipped (non-finite) steps
     for m in run.modules.values():
         m.train()
-    failsafe.nothing_to_train(run.counters, args, say=log.say)
-    for step in range(run.counters["step"], args.steps):
+    failsafe.nothing_to_train(run.counters, cfg.steps, start.load if start.kind == "resume" else None, log.say)
+    for step in range(run.counters["step"], cfg.steps):
         h = train_step(run, step, stop)
         if h is None:
             break
         history.append(h)
         bad_steps = 0 if h["ok"] else bad_steps + 1
-        failsafe.check_finite_run(bad_steps, cfg.max_skipped_steps, h["grad_norm"], args.save)
-        if step % args.log_every == 0 or step == args.steps - 1:
+        failsafe.check_finite_run(bad_steps, cfg.max_skipped_steps, h["grad_norm"], cfg.save)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log.step(step_record(run, history[-1], log))
         log.bar.update(1)
-        if args.eval_every and (step + 1) % args.eval_every == 0:
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             log.eval(step + 1, evaluate(run))
         if saver is not None:  # --save-every and the last step; also commits an async save
-            saver.after_step(step + 1, dict(run.counters), last=step + 1 == args.steps)
+            saver.after_step(step + 1, dict(run.counters), last=step + 1 == cfg.steps)
     if stop.agreed and saver is not None and history:  # the last completed step (nothing new: nothing to save)
         saver.save(run.counters["step"], dict(run.counters))
     if saver is not None:
         saver.close()  # waits for an async save in flight
     if stop.agreed:
-        log.say(failsafe.stop_message(stop.agreed, run.counters["step"], args.save, saved=bool(history)))
-    log.close(run.counters["step"], args.save, run.argv)
+        log.say(failsafe.stop_message(stop.agreed, run.counters["step"], cfg.save, saved=bool(history)))
+    log.close(run.counters["step"], cfg.save)
     return history
 
 

@@ -66,17 +66,12 @@ def one(path):
 
 def read(path, n=300):
     """Random access after indexing: seconds per sample (pixels decoded) at random indices."""
-    import types
-
     import numpy as np
 
     import config
     import data
-    cfg = config.resolve("small")
-    args = types.SimpleNamespace(data=path, seed=1, tokenizer=None, train_on="assistant", skip_bad_samples=False,
-                                 eval_data=None, eval_frac=0.0, pack=False, eval_every=0, overlong="error",
-                                 data_columns=None)
-    ds, _ = data.build(args, cfg, verbose=False)
+    cfg = config.resolve("small", {"data": path, "seed": 1})
+    ds, _ = data.build(cfg, data.load_tokenizer(None, cfg), verbose=False)
     picks = np.random.default_rng(0).integers(0, len(ds.sources[0][2]["offsets"]), n)   # within epoch 0
     t = time.perf_counter()
     for i in picks:

@@ -19,8 +19,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import config  # noqa: E402
-import parallel  # noqa: E402
+import layout  # noqa: E402
 import train  # noqa: E402
 
 E16 = ["--preset", "20l", "--n-routed-experts", "16"]
@@ -42,11 +41,7 @@ CONFIGS = {   # name: (GPUs, train.py arguments)
 
 def kinds_of_ranks(argv, world):
     """["vision" | "language" | "both"] per rank of this layout."""
-    args, overrides = train.parse_args(argv)
-    lay = parallel.plan_layout(config.resolve(args.preset, overrides), world, args.micro_batch, args.global_batch,
-                               vision_tp=args.vision_tp, vision_dp=args.vision_dp, lm_tp=args.lm_tp,
-                               lm_dp=args.lm_dp, lm_ep=args.lm_ep, lm_etp=args.lm_etp,
-                               colocated=True if args.colocated else None)
+    lay = layout.plan(train.config_of(argv), world)
     return ["both" if lay.colocated else "vision" if r < lay.vision_size else "language" for r in range(world)]
 
 

@@ -1,8 +1,8 @@
 """data.py on CPU: exact ids / labels / loss masks of chat, text and pre-tokenized JSONL lines, images, packing
 (boundaries reach the model), blends, held-out split, every bad-input case, the index cache, resume and workers."""
+import dataclasses
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -31,14 +31,10 @@ def write_jsonl(path, lines):
     return str(path)
 
 
-def args(path, **kw):
-    base = dict(data=path, seed=7, tokenizer=None, train_on="assistant", skip_bad_samples=False, eval_data=None,
-                eval_frac=0.0, pack=False, eval_every=0, overlong="error", data_columns=None)
-    return types.SimpleNamespace(**{**base, **kw})
-
-
-def build(path, cfg=CFG, **kw):
-    return data.build(args(path, **kw), cfg, verbose=True)
+def build(path, cfg=CFG, verbose=True, **kw):
+    """data.build of `path` with the run fields kw (seed 7), the tokenizer kw's (default: bytes)."""
+    cfg = dataclasses.replace(cfg, **{"data": path, "seed": 7, **kw})
+    return data.build(cfg, data.load_tokenizer(cfg.tokenizer, cfg), verbose)
 
 
 def text_of(sample):

@@ -311,7 +311,6 @@ def test_padding_is_routed_but_not_counted_or_balanced():
 
 def test_stage_and_regex_freezing():
     from radio import VisionModel
-    import train
     cfg, lm = tiny_lm()
     modules = {"vision": VisionModel(cfg), "language": lm}
 
@@ -330,8 +329,7 @@ def test_stage_and_regex_freezing():
     assert trainable() == {n for n in every if n.startswith("language.backbone.layers.0.")}
     # frozen parameters get no gradient and no optimizer state
     model.set_trainable(modules, stage=1)
-    args = train.parse_args([])[0]
-    opt = optim.plain(modules.values(), args, torch.device("cpu"))
+    opt = optim.plain(modules.values(), cfg.lr, cfg.weight_decay, torch.device("cpu"))
     assert sum(len(g["params"]) for g in opt.param_groups) == len(projector)
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)

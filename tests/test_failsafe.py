@@ -2,6 +2,7 @@
 torchrun and Ctrl-C with a closed pipe stop at a micro-batch boundary, save the last completed step and resume
 bit-exactly; failed saves end the run with `latest` intact; the requeue line; stage 1 with text-only micro-batches
 (hetero and colocated); thin and truncated images; the non-finite abort; --clip-grad 0; one-line bad-input errors."""
+import dataclasses
 import json
 import math
 import os
@@ -10,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -202,8 +202,8 @@ def test_requeue_line_runs_twice(tmp_path, capfd):
     (again,) = run_distributed(_train, 1, line)
     assert again[0] == []
     out = capfd.readouterr().out
-    assert f"--load {save}: no checkpoint there yet (no `latest`): starting fresh" in out
-    assert f"nothing to train: --load {save} is at step 2 and --steps is 2" in out
+    assert f"--load {save}: no checkpoint there yet: starting fresh" in out
+    assert f"nothing to train: {save}/step_00000002 is at step 2 and --steps is 2" in out
     (more,) = run_distributed(_train, 1, TINY + ["--steps", "3", "--save", save, "--load", save])
     (straight,) = run_distributed(_train, 1, TINY + ["--steps", "3"])
     assert_same(more[1], straight[1])
@@ -263,7 +263,7 @@ def test_thin_images_get_two_patches_a_side(tmp_path):
     lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"img/{n}.png"}]},
                            {"role": "assistant", "content": "thin"}]} for n in ("line", "strip")]
     path = _jsonl(tmp_path / "thin.jsonl", lines)
-    ds, _ = data.build(_data_args(path), cfg, verbose=False)
+    ds, _ = _build(path, cfg, verbose=False)
     for i in range(2):
         s = ds[i]
         (img,) = s.images
@@ -280,8 +280,8 @@ def test_truncated_jpeg_is_caught_at_indexing(tmp_path, capsys):
     path = _jsonl(tmp_path / "imgs.jsonl", lines)
     cfg = config.resolve("tiny")
     with pytest.raises(data.BadSample, match=f"^{path}:2: undecodable image .*cut.jpg: Truncated File Read"):
-        data.build(_data_args(path), cfg)
-    ds, _ = data.build(_data_args(path, skip_bad_samples=True), cfg)
+        _build(path, cfg)
+    ds, _ = _build(path, cfg, skip_bad_samples=True)
     assert f"{path}: 2 documents, skipped 1 bad line(s)" in capsys.readouterr().out
     assert list(ds.sources[0][2]["lines"]) == [1, 3]
 
@@ -293,7 +293,7 @@ def test_image_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
     lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"{n}.jpg"}]},
                            {"role": "assistant", "content": f"{n}{n}"}]} for n in ("a", "b", "c")]
     path = _jsonl(tmp_path / "imgs.jsonl", lines)
-    ds, _ = data.build(_data_args(path, seed=1234, skip_bad_samples=True), config.resolve("tiny"))   # index cache
+    ds, _ = _build(path, config.resolve("tiny"), seed=1234, skip_bad_samples=True)   # index cache
     raw = (tmp_path / "b.jpg").read_bytes()
     (tmp_path / "b.jpg").write_bytes(raw[: len(raw) // 2])
     bad = [i for i in range(8) if ds.doc(0, i) == 1]   # samples of the 2 steps that draw b.jpg's line
@@ -311,10 +311,10 @@ def _jsonl(path, lines):
     return str(path)
 
 
-def _data_args(path, **kw):
-    base = dict(data=path, seed=7, tokenizer=None, train_on="assistant", skip_bad_samples=False, eval_data=None,
-                eval_frac=0.0, pack=False, eval_every=0, overlong="error", data_columns=None)
-    return types.SimpleNamespace(**{**base, **kw})
+def _build(path, cfg, verbose=True, **kw):
+    """data.build of `path` with the run fields kw (seed 7) and the byte tokenizer."""
+    cfg = dataclasses.replace(cfg, **{"data": path, "seed": 7, **kw})
+    return data.build(cfg, data.load_tokenizer(None, cfg), verbose)
 
 
 # ---------------------------------------------------------------- numbers
@@ -386,7 +386,7 @@ def test_bad_blend_and_paths(tmp_path, entry, message):
     os.makedirs(tmp_path / "empty")
     spec, message = (s.format(a=a, d=str(tmp_path)) for s in (entry, message))
     with pytest.raises(SystemExit, match="^" + message.replace("(", r"\(").replace(".", r"\.").replace("+", r"\+")):
-        data.build(_data_args(spec), config.resolve("tiny"))
+        _build(spec, config.resolve("tiny"))
     assert formats.parse_blend(f"0.25:{a},0.75:{a}") == [(0.25, a), (0.75, a)]
 
 

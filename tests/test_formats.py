@@ -13,14 +13,10 @@ from PIL import Image
 import data
 import formats
 from tests.spawn import run_distributed
-from tests.test_data import CFG, IMG, PAD, SP, TOK, args, b, padded, write_jsonl
+from tests.test_data import IMG, PAD, SP, TOK, b, build, padded, write_jsonl
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-
-def build(path, **kw):
-    return data.build(args(path, **kw), CFG, verbose=True)
 
 
 def image_bytes(color, size, fmt):

@@ -272,7 +272,7 @@ def test_cli_export_then_import(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "nemotron_h_omni"
     out = run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--preset", "tiny")
     assert out.returncode == 0, out.stderr
-    assert "--preset tiny --load" in out.stdout and "LayerScale (all ones: identity) (4 tensors)" in out.stdout
+    assert f"`python train.py --load {tmp_path / 'back'} --finetune`" in out.stdout and "LayerScale (all ones: identity) (4 tensors)" in out.stdout
     cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
     assert_same_tensors(sd, sd2)
     assert cfg2 == cfg

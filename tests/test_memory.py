@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import config
+import layout
 import memory
-import parallel
 import train
 from radio import VisionModel
 
@@ -20,14 +20,13 @@ ARGV = ["--preset", "tiny", "--hybrid-override-pattern", "*E", "--stage", "3", "
 
 
 def _cfg_lay(extra=()):
-    args, overrides = train.parse_args(ARGV + list(extra))
-    cfg = config.resolve(args.preset, overrides)
-    return cfg, parallel.plan_layout(cfg, 4, args.micro_batch, args.global_batch, vision_dp=2, lm_dp=2, lm_ep=2), args
+    cfg = train.config_of(ARGV + list(extra))
+    return cfg, layout.plan(cfg, 4)
 
 
 def plan(extra=()):
-    cfg, lay, args = _cfg_lay(extra)
-    return memory.plan(cfg, lay, args), lay
+    cfg, lay = _cfg_lay(extra)
+    return memory.plan(cfg, lay), lay
 
 
 def test_language_rank_by_hand():
@@ -84,35 +83,57 @@ def test_vision_rank_and_plain_optimizer():
 
 
 def test_dry_run_cli_last_line():
-    """Nano's reference layout (hetero, 8 ranks) and a colocated tiny layout: the last line is the plan, in GiB."""
+    """Nano as chosen for 8 ranks of 80 GiB, 20l's reference layout, a colocated tiny layout of 4 ranks of 16 GiB:
+    the last line is the plan in GiB, with the verdict per rank kind against that memory."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
-    cases = ((["--preset", "nano"], 8), (["--preset", "tiny", "--colocated", "--lm-tp", "2", "--lm-ep", "2"], 4))
-    for argv, world in cases:
+    cases = ((["--preset", "nano"], 8, 80), (["--preset", "20l"], 8, 80),
+             (["--preset", "tiny", "--colocated", "--lm-tp", "2", "--lm-ep", "2", "--gpu-memory", "16"], 4, 16))
+    for argv, world, gib in cases:
         out = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--world-size", str(world)], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        last = json.loads(out.stdout.strip().splitlines()[-1])
-        args, overrides = train.parse_args(argv)
-        cfg = config.resolve(args.preset, overrides)
-        lay = parallel.plan_layout(cfg, world, 1, args.global_batch, lm_tp=args.lm_tp, lm_ep=args.lm_ep,
-                                   colocated=True if args.colocated else None)
-        rows = memory.plan(cfg, lay, args)
+        lines = out.stdout.strip().splitlines()
+        last = json.loads(lines[-1])
+        cfg = train.config_of(argv)
+        lay = layout.plan(cfg, world, gib * memory.GIB)
+        rows = memory.plan(cfg, lay)
+        assert last["layout"] == lay.describe()
         assert last["peak_gib_per_rank"] == {k: round(r["peak"] / 2 ** 30, 2) for k, r in rows.items()}
         assert lay.colocated == (rows["vision"] == rows["language"])
+        assert last["capacity_gib"] == gib and last["fits"] == {"vision": True, "language": True}
+        for kind, r in rows.items():   # e.g. "  language fits 80.0 GiB: peak 71.30 GiB (89 %), setup 24.41 GiB (31 %)"
+            peak, setup = r["peak"] / memory.GIB, r["setup"] / memory.GIB
+            verdict = (f"{kind} fits {gib:.1f} GiB: peak {peak:.2f} GiB ({100 * peak / gib:.0f} %), setup "
+                       f"{setup:.2f} GiB ({100 * setup / gib:.0f} %)")
+            assert verdict in [" ".join(line.split()) for line in lines], (verdict, lines)
 
 
-def test_fit_check_names_the_set_up_peak(monkeypatch):
+def test_dry_run_verdict_per_rank_kind(capsys):
+    """A hetero layout on ranks with room for the vision rank's plan but not for the language rank's."""
+    cfg, lay = _cfg_lay()
+    rows = memory.plan(cfg, lay)
+    vision, language = rows["vision"]["peak"], rows["language"]["peak"]
+    assert vision < language
+    memory.dry_run(cfg, lay, (vision + language) / 2 / memory.TRAIN_SHARE)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1])["fits"] == {"vision": True, "language": False}
+    assert [line.split()[:3] for line in lines if line.split()[1:2] in (["fits"], ["does"])] == \
+        [["vision", "fits", "0.0"], ["language", "does", "NOT"]]
+
+
+def test_fit_rule_names_the_set_up_peak():
     """LoRA with wide embeddings (8192 x 1024): the frozen base's fp32 init and init's two full-size draws of the
     embeddings make set-up the larger peak; a rank with room for training but not for set-up is refused naming the
-    set-up (CPU: a rank's memory is RAM / LOCAL_WORLD_SIZE)."""
-    cfg, lay, args = _cfg_lay(["--lora-rank", "4", "--hidden-size", "1024", "--vocab-size", "8192"])
-    rows = memory.plan(cfg, lay, args, cuda=False)
+    set-up (the training peak may use 90 % of a rank's memory, the set-up peak 95 %)."""
+    cfg, lay = _cfg_lay(["--lora-rank", "4", "--hidden-size", "1024", "--vocab-size", "8192"])
+    rows = memory.plan(cfg, lay, cuda=False)
     peak, setup = max(r["peak"] for r in rows.values()), max(r["setup"] for r in rows.values())
     assert setup > peak
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(0.95 * ram / ((peak / 0.9 * 0.95 + setup) / 2))))
+    assert memory.required(rows) == setup / 0.95
+    between = (peak / 0.9 + setup / 0.95) / 2
     with pytest.raises(SystemExit) as e:
-        memory.check_fits(cfg, lay, args, torch.device("cpu"))
-    assert "while it sets up" in str(e.value) and "initialised in fp32" in str(e.value), str(e.value)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(0.95 * ram / (setup * 1.01))))
-    memory.check_fits(cfg, lay, args, torch.device("cpu"))   # room for both: passes
+        layout.plan(cfg, 4, between, cuda=False)
+    assert str(e.value).startswith("this layout does not fit: hetero layout") and "while it sets up" in str(e.value) \
+        and "initialised in fp32" in str(e.value), str(e.value)
+    assert memory.fits(rows, setup / 0.95) is None
+    layout.plan(cfg, 4, setup / 0.95, cuda=False)   # room for both: passes

@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 
 import config
+import layout
 from comm import mark_shard, shard
 from bridge import Bridge, bridge_links
-from parallel import (Grid, Layout, allreduce_grads, check_layout, expert_grid, finalize_gradients, global_grad_norm,
-                      global_token_count, lane_samples, lanes, lm_grid, plan_layout, reduce_gradients, setup,
+from layout import Layout, check_layout
+from parallel import (Grid, allreduce_grads, expert_grid, finalize_gradients, global_grad_norm,
+                      global_token_count, lane_samples, lanes, lm_grid, reduce_gradients, setup,
                       vision_grid)
 from tests.spawn import run_distributed
 
@@ -263,8 +265,14 @@ def test_validation_messages():
     assert check_layout(hetero(2, 2, 2, 2, ep=2), TINY).lm_edp == 2
 
 
-def test_plan_layout():
-    ref = dataclasses.replace(BIG, vision_tp=1, vision_dp=4, lm_tp=2, lm_dp=2, lm_ep=4, lm_etp=1, reference_world=8)
+def plan_layout(cfg, world, micro_batch, global_batch, **flags):
+    return layout.plan(dataclasses.replace(cfg, micro_batch=micro_batch, global_batch=global_batch, **flags), world)
+
+
+def test_plan_layout(monkeypatch):
+    ref = dataclasses.replace(BIG, preset="20l")
+    monkeypatch.setitem(config.REFERENCE_LAYOUTS, "20l", (8, dict(vision_tp=1, vision_dp=4, lm_tp=2, lm_dp=2, lm_ep=4,
+                                                                   lm_etp=1, colocated=False)))
     lay = plan_layout(ref, 8, 2, 4)                                          # the preset's reference layout
     assert (lay.colocated, lay.vision_tp, lay.vision_dp, lay.lm_tp, lay.lm_dp, lay.lm_ep, lay.lm_edp) == \
         (False, 1, 4, 2, 2, 4, 1)

@@ -1,5 +1,6 @@
 """A user's first hour (issue 17): evaluations that report the same numbers in every layout, the mock task that
 learns through the image, nothing compiled at import, one-line errors, the log lines, a two-node launch."""
+import dataclasses
 import json
 import math
 import os
@@ -7,7 +8,6 @@ import re
 import socket
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -161,7 +161,7 @@ def test_user_errors_are_one_line(argv, message):
 
 def test_one_line_error_from_two_ranks_printed_once():
     out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--preset", "tiny",
-             "--global-batch", "3")
+             "--global-batch", "3", "--colocated", "--lm-dp", "2")
     lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and 'train.py", line' not in out.stderr, out.stderr    # torchrun's own report only
     assert len(lines) == 1 and lines[0].startswith("error: bad parallel layout") and "global_batch 3" in lines[0], lines
@@ -182,10 +182,10 @@ def test_log_lines(tmp_path):
     lines = out.stdout.splitlines()
     assert f"config: {save}/run_config.json" in lines
     saved = open(os.path.join(save, "run_config.json")).read()
-    assert saved.startswith('{\n  "args": {') and json.loads(saved)["config"]["seq_len"] == 96
+    assert saved.startswith('{\n  "preset": "tiny"') and json.loads(saved)["seq_len"] == 96
     assert f"train data: {docs} (100%): 6 documents, 192 tokens" in lines                  # 6 x 32
     assert f"eval data: {docs} (100%): 2 documents, 64 tokens (scores 2 samples)" in lines
-    counts = logs.param_counts(config.resolve("tiny"), _sizing(2))                             # stage 2
+    counts = logs.param_counts(config.resolve("tiny"))                                         # stage 2
     assert "parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()) in lines
     steps = [line for line in lines if line.startswith("step ")]
     pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| tok/s \d+ \| "
@@ -193,9 +193,8 @@ def test_log_lines(tmp_path):
     assert [re.fullmatch(pattern, line).group(1) for line in steps] == ["1", "2", "3"], steps
     assert any(re.fullmatch(r"eval step 2: loss [0-9.]+ \| ppl [0-9.]+ \| 62 tokens of 2 samples", x) for x in lines)
     assert lines[-4].startswith("done: 3 steps (to step 3) in 0:00:") and "last eval loss" in lines[-4]
-    assert lines[-3:] == [f"checkpoint: {save}", "resume (with a larger --steps to train on): python train.py "
-                          f"{' '.join(argv)} --load {save}", f"export: python hf_interop.py export-hf --load {save} "
-                          "--out HF_DIR"]
+    assert lines[-3:] == [f"checkpoint: {save}", f"resume (add --steps N to train on): python train.py --load {save}",
+                          f"export: python hf_interop.py export-hf --load {save} --out HF_DIR"]
     recs = [json.loads(x) for x in open(metrics)]
     step_recs = [r for r in recs if "tokens" in r]
     assert [r["tokens"] for r in step_recs] == [64, 64, 64]                                 # not 2 x 96
@@ -204,25 +203,19 @@ def test_log_lines(tmp_path):
     assert [r["eval_tokens"] for r in recs if "eval_loss" in r] == [62]                     # 2 x 31 targets
 
 
-def _sizing(stage, **kw):
-    """The arguments memory.sizing_model reads."""
-    return types.SimpleNamespace(**{"stage": stage, "train_layers": None, "lora_rank": 0, **kw})
-
-
 def test_param_counts_by_part_and_stage():
     cfg = config.resolve("tiny")
     total_lm, _ = model.count_language_params(cfg)
     with torch.device("meta"):
         projector = sum(p.numel() for p in radio.VisionModel(cfg).mlp1.parameters())
         tower = sum(p.numel() for p in radio.VisionModel(cfg).parameters()) - projector
-    assert logs.param_counts(cfg, _sizing(1)) == {"vision tower": [0, tower], "projector": [projector, 0],
+    assert logs.param_counts(dataclasses.replace(cfg, stage=1)) == {"vision tower": [0, tower], "projector": [projector, 0],
                                                "language": [0, total_lm]}
-    assert logs.param_counts(cfg, _sizing(2)) == {"vision tower": [0, tower], "projector": [projector, 0],
+    assert logs.param_counts(cfg) == {"vision tower": [0, tower], "projector": [projector, 0],
                                                "language": [total_lm, 0]}
-    assert logs.param_counts(cfg, _sizing(3))["vision tower"] == [tower, 0]
+    assert logs.param_counts(dataclasses.replace(cfg, stage=3))["vision tower"] == [tower, 0]
     # LoRA rank 4: every base weight frozen, the adapters train: r x (in + out) per targeted Linear, two pairs per
     # routed expert
-    lora_args = _sizing(2, lora_rank=4, lora_alpha=8.0, lora_targets=None, moe_dispatcher="alltoall")
     with torch.device("meta"):
         lm = model.LanguageModel(cfg)
     adapters = sum(4 * (m.in_features + m.out_features) for n, m in lm.named_modules()
@@ -230,7 +223,7 @@ def test_param_counts_by_part_and_stage():
                    ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj"))
     adapters += sum(2 * 4 * m.up_proj.shape[0] * (m.up_proj.shape[1] + m.up_proj.shape[2])
                     for m in lm.modules() if type(m).__name__ == "Experts")
-    assert logs.param_counts(cfg, lora_args) == {"vision tower": [0, tower], "projector": [0, projector],
+    assert logs.param_counts(dataclasses.replace(cfg, lora_rank=4, lora_alpha=8.0)) == {"vision tower": [0, tower], "projector": [0, projector],
                                                           "language": [adapters, total_lm]}
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import comm
 import config
+import layout
 import data
 import mock
 import memory
@@ -215,7 +216,7 @@ def test_text_only_mixing_matches_one_process():
 # ---------------------------------------------------------------- 4. LR schedules (closed form, by hand)
 
 def lr_at(flags, it, samples=0):
-    return train.learning_rate(train.parse_args(flags)[0], it, samples)
+    return train.learning_rate(train.config_of(flags), it, samples)
 
 
 def test_cosine_schedule():
@@ -305,8 +306,8 @@ def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
     argv = ["--preset", "tiny", "--steps", "4", "--global-batch", str(GB), "--lr", "1e-3", "--min-lr", "0",
             "--lr-schedule", "cosine", "--vision-dp", "1", "--lm-dp", "2"] + schedule
     results = run_distributed(_train_with_snapshots, 3, argv, timeout=60.0)
-    args = train.parse_args(argv)[0]
-    lrs = [train.learning_rate(args, it, it * GB) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
+    cfg = train.config_of(argv)
+    lrs = [train.learning_rate(cfg, it, it * GB) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
     assert len(set(lrs)) == 3, lrs
     for rank, (history, snapshots) in enumerate(results):
         assert [h["ok"] for h in history] == [True, False, True, True], rank
@@ -360,8 +361,8 @@ def test_too_big_for_this_machine_fails_before_allocating(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     cfg = config.resolve("20l")
-    lay = parallel.plan_layout(cfg, 1, 1, 8)
-    need = max(r["peak"] for r in memory.plan(cfg, lay, train.parse_args([])[0], cuda=False).values())
+    lay = layout.plan(cfg, 1)
+    need = max(r["peak"] for r in memory.plan(cfg, lay, cuda=False).values())
     if need < 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         pytest.skip(f"20l ({need / 2 ** 30:.0f} GiB) fits this machine's memory")
 
@@ -373,7 +374,8 @@ def test_too_big_for_this_machine_fails_before_allocating(monkeypatch):
     with pytest.raises(SystemExit) as e:
         train.main(["--preset", "20l"])
     msg = str(e.value)
-    assert "does not fit" in msg and "--dry-run" in msg and "GiB" in msg, msg
+    assert msg.startswith("no layout of preset 20l on 1 rank fits") and "such ranks would fit" in msg, msg
+    assert "--dry-run" in msg and "\n" not in msg, msg
     assert not dist.is_initialized()
 
 

@@ -1,0 +1,292 @@
+"""The run's layout: the sizes of both grids (spec: shared/spec/parallel.md §3), their validation and the choice
+of a layout when the command line names none. Pure: runs before init_process_group, and for --dry-run without it.
+
+Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank (parallel.py builds
+the grids and groups).
+
+The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout
+(config.REFERENCE_LAYOUTS) on its world size if it fits, else, of the colocated layouts on WORLD_SIZE ranks that fit
+(memory.required: the training peak within 90 % of a rank's memory, the set-up peak within 95 %), the one that
+moves the fewest bytes per rank per step, smaller tp, ep, etp on a tie. Fitting comes first because a layout that
+does not fit does not run; among those that do, communication is what the layout changes (the FLOPs per rank are
+the same). The cost model counts what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks
+sends 2 (g-1)/g B, an all-gather, reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens,
+S the tower's tokens of a micro-batch (memory.py's counts) and a layer pass = forward, backward, and under
+--activation-checkpointing the recomputed forward:
+  language tp   per micro-batch and layer pass an all-reduce of the T x D bf16 activation (an MoE layer: its
+                shared expert's, and an all-gather of its routed rows); the embedding's and lm_head's, one each
+  ep, etp       per micro-batch and MoE layer pass the dispatch and combine all-to-all of the T k / tp routed rows
+                over ep, and with etp > 1 those rows sent to the etp - 1 others and back
+  vision tp     per micro-batch two all-reduces of the S x C activation per block forward, two backward when the
+                tower trains
+  dp            per step the trained parameters' fp32 gradient reduce-scatter and weight all-gather (bf16 on CUDA)
+                over their domain (vision dp, language dp, edp); plain AdamW: an fp32 all-reduce
+Bandwidths, latency and overlap are left out: the model ranks layouts, it does not time them.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+import config
+import memory
+
+MAX_WORLD = 1024    # the largest world size remedy() tries
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of both grids. cp and pp are kept as dims of the language grid but must be 1 in this version."""
+    world: int
+    colocated: bool
+    vision_tp: int
+    vision_dp: int
+    lm_tp: int
+    lm_dp: int
+    lm_ep: int = 1
+    lm_etp: int = 1
+    micro_batch: int = 1            # samples per language lane per microbatch (mbs)
+    global_batch: int = 1           # samples per optimizer step
+    lm_cp: int = 1
+    lm_pp: int = 1
+
+    @property
+    def vision_size(self):
+        return self.vision_tp * self.vision_dp
+
+    @property
+    def lm_size(self):
+        return self.lm_tp * self.lm_cp * self.lm_dp * self.lm_pp
+
+    @property
+    def lm_offset(self):            # vision always starts at rank 0
+        return 0 if self.colocated else self.vision_size
+
+    @property
+    def lm_edp(self):               # expert data parallel: what is left of the language grid after etp x ep x pp
+        return self.lm_size // (self.lm_etp * self.lm_ep * self.lm_pp)
+
+    @property
+    def samples_per_microbatch(self):   # one global microbatch spans every language lane
+        return self.micro_batch * self.lm_dp
+
+    @property
+    def vision_micro_batch(self):       # samples one vision lane encodes per microbatch (mbs*k fan-out, mbs/k fan-in)
+        return self.samples_per_microbatch // self.vision_dp
+
+    @property
+    def num_microbatches(self):         # counted from language dp, identical on both grids (§6.2)
+        return self.global_batch // self.samples_per_microbatch
+
+    def describe(self):
+        vision = f"vision {self.vision_size} (tp{self.vision_tp} x dp{self.vision_dp})"
+        lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}; "
+              f"experts etp{self.lm_etp} x ep{self.lm_ep} x edp{self.lm_edp})")
+        if self.colocated:
+            return f"colocated layout on {self.world} ranks: {vision}, {lm}"
+        return f"hetero layout: {vision} on [0,{self.vision_size}) + {lm} on [{self.vision_size},{self.world})"
+
+
+def check_layout(lay, cfg):
+    """Every rule of spec D2 plus the model's divisibility needs. Raises one SystemExit listing all problems."""
+    vision = f"vision {lay.vision_size} (tp{lay.vision_tp} x dp{lay.vision_dp})"
+    lm = f"language {lay.lm_size} (tp{lay.lm_tp} x cp{lay.lm_cp} x dp{lay.lm_dp} x pp{lay.lm_pp})"
+    errors = []
+    if lay.colocated:
+        if lay.vision_size != lay.world or lay.lm_size != lay.world:
+            errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
+        if (lay.vision_tp, lay.vision_dp) != (lay.lm_tp, lay.lm_dp):
+            errors.append(f"colocated layout needs vision tp/dp == language tp/dp (vision tp{lay.vision_tp} dp"
+                          f"{lay.vision_dp}, language tp{lay.lm_tp} dp{lay.lm_dp}): moving encoder rows between "
+                          "different colocated shapes is not implemented; use a hetero layout")
+    elif lay.vision_size + lay.lm_size != lay.world:
+        errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
+    sizes = {k: getattr(lay, k) for k in ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp",
+                                          "micro_batch", "global_batch", "lm_cp", "lm_pp")}
+    bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
+    if bad:  # the checks below divide by these
+        raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
+                         + "".join(f"; {e}" for e in errors))
+    if lay.lm_cp != 1 or lay.lm_pp != 1:
+        errors.append(f"language cp{lay.lm_cp} pp{lay.lm_pp}: this version supports cp = pp = 1 only")
+    # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
+    for name in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "vocab_size",
+                 "intermediate_size", "moe_shared_expert_intermediate_size"):
+        if getattr(cfg, name) % lay.lm_tp:
+            errors.append(f"lm_tp {lay.lm_tp} does not divide {name} {getattr(cfg, name)}")
+    for name in ("vit_heads", "vit_mlp"):
+        if getattr(cfg, name) % lay.vision_tp:
+            errors.append(f"vision_tp {lay.vision_tp} does not divide {name} {getattr(cfg, name)}")
+    etp_ep_pp = lay.lm_etp * lay.lm_ep * lay.lm_pp
+    if lay.lm_size % etp_ep_pp:
+        errors.append(f"{lm} is not divisible by etp{lay.lm_etp} x ep{lay.lm_ep} x pp{lay.lm_pp} = {etp_ep_pp}, "
+                      "so the expert data-parallel size is not whole")
+    if cfg.n_routed_experts % lay.lm_ep:
+        errors.append(f"lm_ep {lay.lm_ep} does not divide n_routed_experts {cfg.n_routed_experts}")
+    if cfg.moe_intermediate_size % lay.lm_etp:
+        errors.append(f"lm_etp {lay.lm_etp} does not divide moe_intermediate_size {cfg.moe_intermediate_size}")
+    vdp, ldp = lay.vision_dp, lay.lm_dp
+    if max(vdp, ldp) % min(vdp, ldp):
+        errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
+    if lay.samples_per_microbatch % vdp:
+        errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {lay.samples_per_microbatch} samples "
+                      f"per microbatch do not split evenly over vision dp {vdp}")
+    if lay.global_batch % lay.samples_per_microbatch:
+        errors.append(f"global_batch {lay.global_batch} is not divisible by micro_batch {lay.micro_batch} x "
+                      f"language dp {ldp} = {lay.samples_per_microbatch}")
+    if errors:
+        raise SystemExit("bad parallel layout: " + "; ".join(errors))
+    return lay
+
+
+def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=True):
+    """The run's layout on `world` ranks from cfg's layout fields (None: not given), checked before any collective.
+
+    - No layout field given: with `capacity` (bytes of memory per rank) the chosen layout (the module docstring;
+      `say` gets one line: which and why), or a SystemExit naming what would fit when none does; without, the
+      preset's reference layout on its world size, otherwise colocated data parallelism (tp = ep = etp = 1).
+    - Any given: missing tp / ep / etp are 1 (colocated vision tp follows lm_tp), a missing dp is derived:
+      colocated dp = world / tp; hetero takes the ranks the other grid leaves. `colocated` unset: hetero iff a
+      vision size is given. With `capacity`, a layout that does not fit it is refused.
+    cuda: plan CUDA's bytes (bf16 weights), else the CPU's (fp32). strict=False (the dry run, to show the plan):
+    refuse nothing; when no layout fits, `say` what would and return the closest.
+    """
+    given = {k: getattr(cfg, k) for k in config.LAYOUT_FIELDS if getattr(cfg, k) is not None}
+    if capacity is not None and not given:
+        return choose(cfg, world, capacity, cuda, say, strict)
+    lay = named(cfg, world, given)
+    shortfall = capacity is not None and strict and memory.fits(memory.plan(cfg, lay, cuda), capacity)
+    if shortfall:
+        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {shortfall}, a rank here has "
+                         f"{capacity / memory.GIB:.1f} GiB. Use more ranks (--lm-tp / --lm-ep / --vision-tp), "
+                         "--activation-checkpointing, a smaller preset (tiny, small), or see `--dry-run --world-size "
+                         "N` for the per-rank plan.")
+    return lay
+
+
+def named(cfg, world, given):
+    """The layout the `given` layout fields name (see plan()); none given: the reference or colocated dp."""
+    batch = dict(micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
+    ref_world, ref = config.REFERENCE_LAYOUTS.get(cfg.preset, (None, None))
+    if world == ref_world and given in ({}, {"colocated": ref["colocated"]}):
+        return check_layout(Layout(world=world, **ref, **batch), cfg)
+    given = dict(given)
+    colocated = given.pop("colocated", None)
+    if colocated is None:
+        colocated = "vision_tp" not in given and "vision_dp" not in given
+    s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1)
+    s.update(given)
+    if colocated:
+        s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
+        s["lm_dp"] = s["lm_dp"] or world // s["lm_tp"]
+        s["vision_dp"] = s["vision_dp"] or world // s["vision_tp"]
+    elif s["vision_dp"] is None and s["lm_dp"] is None:
+        raise SystemExit("bad parallel layout: a hetero layout needs --vision-dp or --lm-dp (the other is derived "
+                         "from WORLD_SIZE)")
+    elif s["vision_dp"] is None:
+        s["vision_dp"] = (world - s["lm_tp"] * s["lm_dp"]) // s["vision_tp"]
+    elif s["lm_dp"] is None:
+        s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // s["lm_tp"]
+    return check_layout(Layout(world=world, colocated=bool(colocated), **s, **batch), cfg)
+
+
+def reference(cfg, world):
+    """The preset's reference layout (config.REFERENCE_LAYOUTS) if it is valid on `world` ranks, else None."""
+    ref_world, ref = config.REFERENCE_LAYOUTS.get(cfg.preset, (None, None))
+    if world != ref_world:
+        return None
+    lay = Layout(world=world, **ref, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
+    return lay if valid(lay, cfg) else None
+
+
+def candidates(cfg, world):
+    """The layouts the chooser weighs on `world` ranks: the reference layout first, where there is one, then every
+    valid colocated layout (one tp for both modules, ep x etp over all ranks, dp the rest)."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    colocated = [Layout(world=world, colocated=True, vision_tp=tp, vision_dp=world // tp, lm_tp=tp, lm_dp=world // tp,
+                        lm_ep=ep, lm_etp=etp, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
+                 for tp in divisors for ep in divisors for etp in divisors if world % (ep * etp) == 0]
+    return [lay for lay in [reference(cfg, world)] if lay] + [lay for lay in colocated if valid(lay, cfg)]
+
+
+def valid(lay, cfg):
+    """Whether check_layout accepts the layout."""
+    try:
+        check_layout(lay, cfg)
+    except SystemExit:
+        return False
+    return True
+
+
+def choose(cfg, world, capacity, cuda, say, strict):
+    """The reference layout if it fits `capacity` bytes per rank, else the colocated layout that fits and moves the
+    fewest bytes (the module docstring); `say` gets which and why. None fits: SystemExit naming what would (not
+    strict: `say` that, and return the closest)."""
+    plans = {lay: memory.plan(cfg, lay, cuda) for lay in candidates(cfg, world)}
+    if not plans:       # nothing valid: the colocated dp layout's errors say why
+        return named(cfg, world, {})
+    ref = reference(cfg, world)
+    fitting = [lay for lay, rows in plans.items() if lay != ref and memory.fits(rows, capacity) is None]
+    if ref and memory.fits(plans[ref], capacity) is None:
+        lay, why = ref, "the preset's reference layout"
+    elif fitting:
+        cost = {lay: bytes_moved(cfg, lay, cuda) for lay in fitting}
+        lay = min(fitting, key=lambda c: (cost[c], c.lm_tp, c.lm_ep, c.lm_etp))
+        why = (f"of the {len(fitting)} colocated layouts that fit, the one that moves the fewest bytes per rank per "
+               f"step ({cost[lay] / memory.GIB:.2f} GiB)" if len(fitting) > 1 else
+               "the only colocated layout that fits")
+        if ref:
+            why += f"; the preset's reference layout needs {memory.fits(plans[ref], capacity)}"
+    else:
+        lay = min(plans, key=lambda c: memory.required(plans[c]))
+        why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits {capacity / memory.GIB:.1f} "
+               f"GiB per rank (the closest: {lay.describe()} needs {memory.fits(plans[lay], capacity)}). "
+               f"{remedy(cfg, world, capacity, cuda)}; `--dry-run --world-size N` shows the plan")
+        if strict:
+            raise SystemExit(why)
+        say(why)
+        return lay
+    peak = max(r["peak"] for r in plans[lay].values())
+    say(f"layout: {lay.describe()}; planned peak {peak / memory.GIB:.1f} GiB per rank of {capacity / memory.GIB:.1f} "
+        f"GiB; {why}")
+    return lay
+
+
+def remedy(cfg, world, capacity, cuda):
+    """What would make some layout fit, checked by the same plan: --activation-checkpointing if it is off and
+    enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would."""
+    def fits_somewhere(c, w):
+        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w))
+
+    if not cfg.activation_checkpointing and fits_somewhere(dataclasses.replace(cfg, activation_checkpointing=True),
+                                                           world):
+        return "--activation-checkpointing would fit"
+    fixes = []
+    sizes = sorted({world * 2 ** k for k in range(1, 11)} | set(range(8, MAX_WORLD + 1, 8)))
+    more = next((w for w in sizes if world < w <= MAX_WORLD and fits_somewhere(cfg, w)), None)
+    if more:
+        fixes.append(f"{more} such ranks would fit")
+    if not cfg.lora_rank and fits_somewhere(dataclasses.replace(cfg, lora_rank=8), world):
+        fixes.append(f"--lora-rank 8 (trains adapters only) would on these {world}")
+    return ", or ".join(fixes) if fixes else (f"Nor would any world size up to {MAX_WORLD}: try a smaller preset, "
+                                              "--micro-batch or --seq-len")
+
+
+def bytes_moved(cfg, lay, cuda=True):
+    """Bytes one rank of a colocated layout sends per optimizer step, by the module docstring's cost model."""
+    def all_reduce(g):
+        return 2 * (g - 1) / g
+
+    def gather(g):
+        return (g - 1) / g
+
+    T, D, pattern = cfg.micro_batch * cfg.seq_len, cfg.hidden_size, cfg.hybrid_override_pattern
+    passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
+    routed = 2 * T * cfg.num_experts_per_tok / lay.lm_tp * D          # one rank's routed rows of an MoE layer, bf16
+    language = ((passes * (len(pattern) * all_reduce(lay.lm_tp) + moe * gather(lay.lm_tp)) + 2 * all_reduce(lay.lm_tp))
+                * 2 * T * D + passes * moe * 2 * (gather(lay.lm_ep) + lay.lm_etp - 1) * routed)
+    S, _ = memory.vision_tokens(cfg, lay)
+    vision = ((2 if memory.tower_trains(cfg.stage, cfg.train_layers) else 1) * cfg.vit_depth * 2
+              * all_reduce(lay.vision_tp) * 2 * S * cfg.vit_hidden)
+    weight = 2 if cuda else 4
+    gradients = sum(n * (gather(d) * (4 + weight) if cfg.distributed_optimizer else all_reduce(d) * 4)
+                    for _, _, trained, n, d in memory.local_parameters(cfg, lay) if trained)
+    return lay.num_microbatches * (language + vision) + gradients

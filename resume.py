@@ -1,0 +1,188 @@
+"""What a command line continues, and the one Config it runs with. A checkpoint is its run: config.json holds the
+whole Config (the run record), tokenizer/ a copy of the run's HF tokenizer, source/ the files of the HF directory
+the run started from that export-hf carries through (hf_interop.copy_source), meta.json the run's `lineage`.
+
+  no --load               a fresh run: the preset's defaults, then the flags
+  --load HF_DIR           a fresh run from released weights: the model from its config.json (flags that change its
+                          shape are refused), the fields HF does not carry from --preset, its tokenizer if it has one
+  --load CKPT --finetune  a fresh run from saved weights: the model, its adapters and tokenizer from CKPT's record,
+                          the rest from --preset and the flags; fresh optimizer and counters
+  --load CKPT             resumes CKPT's run (training, --eval-only and export-hf alike): its record, with the flags
+                          given applied. A flag that would change the model (config.FIXED_ON_RESUME: the model's
+                          fields, the preset, LoRA rank / alpha / targets, a tokenizer of other content) is refused;
+                          any other change (steps, layout, batch split, data, lr schedule, save cadence, ...) applies
+                          and is logged. It saves on where it was loaded from (a copy of a run into the copy). Layout
+                          flags given replace the saved ones as a whole; a run saved on another number of ranks
+                          chooses its layout anew (its flags could not apply).
+Requeue: when --save DIR holds a complete checkpoint and this command line is that run's (no --load, --load DIR,
+or --load naming where the run came from: its lineage), the run resumes from DIR's newest step instead of starting
+again, so resubmitting the same line after a preemption continues the run. A checkpoint of another run there is
+refused, never overwritten.
+"""
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+import checkpoint
+import config
+import data
+import hf_interop
+
+@dataclass
+class Start:
+    """Where a run's weights and files come from."""
+    kind: str                       # fresh | hf | weights | resume
+    load: object = None             # the checkpoint's step directory, or hf_interop.HFSource
+    lineage: list = field(default_factory=list)   # real paths of every --load this run came from, oldest first
+    tokenizer: str = None           # where the tokenizer loads from: the checkpoint's copy when it has one
+    source: str = None              # HF files to carry into checkpoints: an HF directory or a checkpoint's source/
+
+    @property
+    def weights_only(self):
+        return self.kind in ("hf", "weights")
+
+
+def resolve(inv, given, world, say):
+    """(Config, Start) of a command line: inv its invocation flags (--load, --finetune, --eval-only, ...), given the
+    Config fields it set, world the number of ranks. say: rank 0's print."""
+    load = _requeue(inv, given, say)
+    if load is None:
+        cfg = config.resolve(given.get("preset", config.Config.preset), given)
+        return cfg, Start("fresh", tokenizer=cfg.tokenizer)
+    if hf_interop.is_hf_dir(load):
+        return _from_hf(load, given, say)
+    step_dir = call(checkpoint.resolve, load, say)
+    record = call(checkpoint.saved_config, step_dir)
+    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
+                f"earlier step of {os.path.dirname(step_dir)}")
+    lineage = list(meta.get("run", {}).get("lineage", []))
+    source = os.path.join(step_dir, checkpoint.SOURCE_DIR)
+    start = Start("weights" if inv.finetune else "resume", step_dir, lineage,
+                  source=source if os.path.isdir(source) else None)
+    if inv.finetune:
+        keep = config.MODEL_FIELDS + ("tokenizer",) + (("lora_rank", "lora_alpha", "lora_targets")
+                                                       if record.lora_rank else ())
+        _refuse(record, given, keep, f"--load {load} --finetune takes the model from the checkpoint")
+        values = {k: getattr(record, k) for k in keep}
+        cfg = config.resolve(given.get("preset", record.preset), {**given, **values})
+    else:
+        _refuse(record, given, config.FIXED_ON_RESUME, f"--load {load} resumes its run")
+        # the run goes on saving where it was loaded from (a copy of a run saves into the copy)
+        record = dataclasses.replace(record, save=_save_dir(load, step_dir))
+        if meta.get("ranks") != world or any(k in given for k in config.LAYOUT_FIELDS):
+            # a layout saved on another number of ranks cannot apply; layout flags given replace it as a whole
+            record = dataclasses.replace(record, **{k: None for k in config.LAYOUT_FIELDS})
+        cfg = config.from_values(dataclasses.asdict(record), given)
+        changed = config.changes(record, cfg)
+        if changed:
+            say(f"--load {load}: changed from the checkpoint's run: " + "; ".join(
+                f"--{config.flag(k)} {old} -> {new}" for k, old, new in changed))
+    if _real(load) not in lineage and not _inside(load, cfg.save):   # a run saved elsewhere than it came from
+        lineage.append(_real(load))
+    start.tokenizer = _tokenizer(cfg, step_dir, given.get("tokenizer"), load)
+    return cfg, start
+
+
+def _requeue(inv, given, say):
+    """What to load: --load as given, or --save's newest checkpoint when it holds this run (see the docstring)."""
+    save, load = given.get("save"), inv.load
+    if save is None or inv.eval_only:
+        return load
+    step_dir, note = checkpoint.newest(save)
+    if step_dir is None:
+        if load is not None and _real(load) == _real(save):
+            say(f"--load {load}: no checkpoint there yet: starting fresh; a later attempt of the same command "
+                "resumes from it")
+            return None
+        return load
+    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
+                f"earlier step of {save}")
+    lineage, step = meta.get("run", {}).get("lineage", []), meta.get("step")
+    if load is None or _inside(load, save) or _real(load) in lineage:
+        if note:
+            say(f"--save {save}: {note}")
+        if not (load is not None and _inside(load, save)):
+            say(f"--save {save} holds step {step} of this run: resuming from it" + ("" if load is None else
+                f", not from --load {load} (where the run started)"))
+        return step_dir if note else save
+    origin = f"from {lineage[0]}" if lineage else "fresh"
+    raise SystemExit(f"--save {save} holds step {step} of another run (started {origin}), not one that came from "
+                     f"--load {load}; choose another --save, or --load {save} to continue that run")
+
+
+def _from_hf(hf_dir, given, say):
+    shape = sorted(k for k in given if k in config.MODEL_FIELDS and k != "image_token_id")
+    if shape:
+        raise SystemExit(f"--load {hf_dir} is an HF directory: the model's shape comes from its config.json; drop "
+                         f"{', '.join('--' + config.flag(k) for k in shape)}")
+    preset = given.get("preset", config.Config.preset)
+    source = call(hf_interop.HFSource, hf_dir, preset, given.get("image_token_id"), seed=given.get(
+        "seed", config.Config.seed), say=say)
+    tokenizer = given.get("tokenizer")
+    if tokenizer is None and os.path.exists(os.path.join(hf_dir, "tokenizer_config.json")):
+        tokenizer = hf_dir
+    values = {k: getattr(source.cfg, k) for k in config.MODEL_FIELDS}
+    cfg = config.resolve(preset, {**given, **values, "tokenizer": tokenizer})
+    say(f"--load {hf_dir}: HF {'VLM' if source.omni else 'language model'}, fields HF does not carry from --preset "
+        f"{preset}, tokenizer {tokenizer or 'byte-level (the default)'}")
+    return cfg, Start("hf", source, [_real(hf_dir)], tokenizer, hf_dir)
+
+
+def _refuse(record, given, fields, why):
+    """One line naming every given flag that differs from the record in `fields` (the tokenizer: by content)."""
+    bad = [f"--{config.flag(k)} {given[k]} (the checkpoint's: {getattr(record, k)})" for k in fields
+           if k in given and k != "tokenizer" and given[k] != getattr(record, k)]
+    if bad:
+        raise SystemExit(f"{why}, whose {'value differs' if len(bad) == 1 else 'values differ'}: {', '.join(bad)}. "
+                         "Drop these flags (the checkpoint is the run), or start a new run")
+
+
+def _tokenizer(cfg, step_dir, flag, load):
+    """Where the run's tokenizer loads from: the checkpoint's copy; a --tokenizer given must have equal content."""
+    copy = os.path.join(step_dir, checkpoint.TOKENIZER_DIR)
+    have = copy if os.path.isdir(copy) else cfg.tokenizer
+    if have is not None and not os.path.exists(have):
+        raise SystemExit(f"--load {load}: the run's tokenizer {have} is gone and the checkpoint holds no copy; pass "
+                         "--tokenizer with the same tokenizer")
+    if flag is not None and (have is None or _real(flag) != _real(have)):
+        ours, theirs = data.load_tokenizer(have, cfg).fingerprint, data.load_tokenizer(flag, cfg).fingerprint
+        if ours != theirs:
+            raise SystemExit(f"--tokenizer {flag} is not the tokenizer --load {load} was trained with "
+                             f"({have or 'the byte-level one'}): its token ids would mean other text. Drop "
+                             "--tokenizer (the checkpoint keeps its own)")
+    return have
+
+
+def write_run_files(step_dir, tokenizer, source):
+    """The run's files in a step directory (rank 0, before the step is committed): the tokenizer's copy and the
+    HF source's carried files."""
+    if hasattr(tokenizer, "save"):
+        tokenizer.save(os.path.join(step_dir, checkpoint.TOKENIZER_DIR))
+    if source is not None:
+        hf_interop.copy_source(source, os.path.join(step_dir, checkpoint.SOURCE_DIR))
+
+
+def call(fn, *args, **kwargs):
+    """fn's checkpoint errors (a missing or mismatched checkpoint) as user errors."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"{e}. Check --load (a save directory or DIR/step_N of a run of this model)") from None
+
+
+def _save_dir(load, step_dir):
+    """The save directory a checkpoint was loaded from: --load itself, or the parent of a step directory."""
+    if not checkpoint.complete(load):
+        return load
+    parent = os.path.dirname(os.path.abspath(step_dir))
+    return parent if re.fullmatch(r"step_\d{8}", os.path.basename(os.path.abspath(step_dir))) else None
+
+
+def _real(path):
+    return os.path.realpath(path)
+
+
+def _inside(path, root):
+    """Whether `path` is `root` or lies in it (a save directory or one of its step directories)."""
+    return root is not None and (_real(path) + os.sep).startswith(_real(root) + os.sep)

@@ -6,7 +6,7 @@ the grids and groups).
 
 The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout
 (config.REFERENCE_LAYOUTS) on its world size if it fits, else, of the colocated layouts on WORLD_SIZE ranks that fit
-(memory.required: the training peak within 90 % of a rank's memory, the set-up peak within 95 %), the one that
+(memory.required: the training peak within 92 % of a rank's memory, the set-up peak within 95 %), the one that
 moves the fewest bytes per rank per step, smaller tp, ep, etp on a tie. Fitting comes first because a layout that
 does not fit does not run; among those that do, communication is what the layout changes (the FLOPs per rank are
 the same). The cost model counts what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks

@@ -363,7 +363,7 @@ def test_too_big_for_this_machine_fails_before_allocating(monkeypatch):
     cfg = config.resolve("20l")
     lay = layout.plan(cfg, 1)
     need = max(r["peak"] for r in memory.plan(cfg, lay, cuda=False).values())
-    if need < 0.9 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+    if need < memory.TRAIN_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         pytest.skip(f"20l ({need / 2 ** 30:.0f} GiB) fits this machine's memory")
 
     def must_not_run(*args, **kwargs):

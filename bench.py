@@ -3,7 +3,7 @@
 Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autocast):
   lm      language model fwd+bwd (batch --batch, seq --seq-len): tokens/s, TFLOP/s, MFU, peak memory; weights as
           train.py keeps them (optim.build): bf16 on CUDA, gradients accumulated into fp32 main_grad
-  step    lm fwd+bwd + the optimizer's step (optim.DistributedAdamW on one rank: fp32 main weights, fused AdamW)
+  step    lm fwd+bwd + the optimizer's step (optim.AdamW on one rank: fp32 main weights, fused AdamW)
   vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
   moe     one MoE layer fwd+bwd, against two dense bf16 GEMMs (fwd+bwd) with the routed experts' FLOPs
   mamba   one Mamba2 layer fwd+bwd
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import config
 import model
 import optim
+import parallel
 from radio import VisionModel
 import train
 
@@ -97,8 +98,11 @@ def profile(fn, label):
 
 def as_trained(module, dev):
     """The optimizer train.py would build for `module` on one rank (optim.build): on CUDA bf16 weights whose
-    gradients accumulate into fp32 main_grad buffers, fp32 main weights in the optimizer."""
-    one_rank = types.SimpleNamespace(lm=types.SimpleNamespace(dp_cp=None, edp=None, tp_rank=0, etp_rank=0))
+    gradients accumulate into fp32 main_grad buffers, fp32 main weights in the optimizer. Its finish() takes a
+    process group (the norm's all-reduce): one of this process alone, unless there is one."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one_rank = types.SimpleNamespace(vision=None, lm=parallel.ModuleGroups("lm"))
     return optim.build(one_rank, None, module, config.Config(lr=1e-5, weight_decay=0.1), dev)
 
 
@@ -113,8 +117,8 @@ def lm_fwd_bwd(cfg, batch, dev, with_step=False):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             s, n = lm.loss_sum(lm(lm.embed(ids)), ids)
         (s / n).backward()
-        if with_step:
-            opt.reduce_scatter_grads()
+        if with_step:   # what train.py runs after backward: reduce, norm, divide and clip, AdamW
+            opt.finish(1, 1.0)
             opt.step()
         opt.zero_grad()
     return fwd_bwd
@@ -235,7 +239,8 @@ def bench_train(args, rest, part, peak):
         raise SystemExit("--parts bridge needs a hetero layout: torchrun --nproc_per_node=2 (or more) bench.py ...")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # one group for both runs
+    if not dist.is_initialized():   # one group for both runs (a lone process may hold as_trained's already)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     argv = ["--preset", args.preset, "--steps", str(args.iters + 1), *shlex.split(args.train_args), *rest]
     runs = (("real", []), ("balanced", ["--moe-force-balance"])) if part == "train" else \
         (("with_images", []), ("text_only", ["--mock-text-only-frac", "1.0"]))

@@ -1,4 +1,4 @@
-"""The encoder -> language bridge (spec: shared/spec/parallel.md §5, §6.3): encoder rows to the language lanes that
+"""The encoder -> language bridge (docs/parallel.md §6, §7): encoder rows to the language lanes that
 own their samples, gradients back, run as 1F1B on the encoder. Layout, grids and lanes come from parallel.py.
 """
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from parallel import lane_samples, lanes, lm_grid, vision_grid
 # concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
 # Backward needs no header: both leaders recorded the per-link row counts in forward.
 #
-# API. The encoder runs 1F1B (§6.3 with Pe = Pl = 1): forward m+1 is sent before backward m, so it overlaps the
+# API. The encoder runs 1F1B (docs/parallel.md §7): forward m+1 is sent before backward m, so it overlaps the
 # language side's forward+backward of m; at most two microbatches are in flight.
 #   encoder ranks:  rows = encoder(images)                 # [R, D]: this vision lane's samples, in sample order
 #                   bridge.send(rows, rows_per_sample)      # leader sends; every tp rank keeps rows for backward
@@ -48,7 +48,8 @@ class Link:
 
 
 def bridge_links(lay):
-    """The comm map (§5.3): every link, ordered by language lane then vision lane (= by vision lane, then language)."""
+    """The comm map (docs/parallel.md §6): every link, ordered by language lane then vision lane (= by vision
+    lane, then language)."""
     src, dst = lanes(vision_grid(lay)), lanes(lm_grid(lay))
     links = []
     for j, dst_ranks in enumerate(dst):

@@ -39,7 +39,6 @@ from safetensors.torch import save_file
 import comm
 import config
 import model
-import parallel
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
 FORMAT = "hetero-vlm-checkpoint/1"
@@ -116,46 +115,64 @@ def _read_latest(root):
 
 # ---------------------------------------------------------------- save
 
+def _writes(t, m):
+    """Whether this rank writes tensor t of module groups m: one copy of each slice, the one of dp (and cp) rank 0
+    (edp 0 for experts) that comm.counted_in_replica picks among its tp / ep replicas."""
+    if comm.is_expert(t):
+        return m.edp_rank == 0 and comm.counted_in_replica(t, m)
+    return m.dp_rank == 0 and m.cp_rank == 0 and comm.counted_in_replica(t, m)
+
+
 def _snapshot(par, modules, opt, copy):
     """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async)."""
     # the distributed optimizer's state is sharded over dp: gathered (collective), with its fp32 main weights,
     # which are then saved as the trained weights (the model's may be their bf16 rounding). Only the slices this
     # rank writes (the copy the grad norm counts: dp / edp rank 0, one per slice) come to its CPU, as private copies
-    entries = [e for e in _entries(par, modules) if parallel._unique_here(e[1], e[2])]
-    sharded = hasattr(opt, "gather_state")
-    states = opt.gather_state({id(e[1]) for e in entries}) if sharded else None
-    params = opt.params() if sharded else [p for g in opt.param_groups for p in g["params"]] if opt else []
-    trained = {id(p) for p in params}
+    entries = [e for e in _entries(par, modules) if _writes(e[1], e[2])]
+    states = opt.gather_state({id(e[1]) for e in entries})
+    trained = {id(p) for p in opt.params()}
     cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
     files, specs = {}, {}
     for name, t, groups, coords, sizes in entries:
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        w = states[id(t)]["main"] if sharded and id(t) in trained else cpu(t)
+        w = states[id(t)]["main"] if id(t) in trained else cpu(t)
         specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
         files.setdefault(_shard_file("model", name, shards, coords), {})[name] = w
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
-            st = states[id(t)] if sharded else {k: cpu(v) for k, v in opt.state.get(t, {}).items()}
-            out = files.setdefault(_shard_file("optim", name, shards, coords), {})
+            st, out = states[id(t)], files.setdefault(_shard_file("optim", name, shards, coords), {})
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = st[key] if key in st else torch.zeros(t.shape, dtype=w.dtype)
-            out[f"{name}.step"] = st["step"].float() if "step" in st else torch.tensor(0.0)
+                out[f"{name}.{key}"] = st[key]
+            out[f"{name}.step"] = st["step"]
     return files, specs
 
 
-def _rng_state():
-    py, npy = random.getstate(), np.random.get_state()
+def rng_state():
+    """This process's RNG: python's, numpy's, torch's CPU and current CUDA device's (not the other devices': touching
+    them would create their contexts). A rank's checkpoint file keeps it; a stopped step restores it (failsafe.py)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s):
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+def _rng_json(s):
+    py, npy = s["python"], s["numpy"]
     return {"python": [py[0], list(py[1]), py[2]], "numpy": [npy[0], npy[1].tolist(), *npy[2:]],
-            "torch": torch.get_rng_state().tolist(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []}
+            "torch": s["torch"].tolist(), "cuda": None if s["cuda"] is None else s["cuda"].tolist()}
 
 
-def _set_rng_state(s):
-    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
-    np.random.set_state((s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]))
-    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
-    if s["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(c, dtype=torch.uint8) for c in s["cuda"]])
+def _rng_from_json(s):
+    u8 = lambda x: torch.tensor(x, dtype=torch.uint8)   # noqa: E731
+    return {"python": (s["python"][0], tuple(s["python"][1]), s["python"][2]),
+            "numpy": (s["numpy"][0], np.array(s["numpy"][1], dtype=np.uint32), *s["numpy"][2:]),
+            "torch": u8(s["torch"]), "cuda": None if s["cuda"] is None else u8(s["cuda"])}
 
 
 def _write_files(step_dir, files):
@@ -178,7 +195,7 @@ class Saver:
         self.root, self.par, self.cfg, self.modules, self.opt, self.data = cfg.save, par, cfg, modules, opt, data
         self.lineage, self.run_files = list(lineage), run_files
         self.rank, self.pending, self.last = dist.get_rank(), None, None
-        parallel.on_every_rank(self._check_writable)
+        comm.on_every_rank(self._check_writable)
 
     def _check_writable(self):
         try:
@@ -195,7 +212,7 @@ class Saver:
         if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:
             self.save(step, counters)
         elif self.pending is not None:   # one small all-reduce per step while an async save is in flight
-            done = torch.tensor([int(not self.pending[3].is_alive())], device=parallel._device())
+            done = torch.tensor([int(not self.pending[3].is_alive())], device=comm.device())
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():
                 self.close()
@@ -218,7 +235,7 @@ class Saver:
         dist.barrier()
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
-        rank_state, lanes = {"rank": self.rank, "rng": _rng_state(), "data": data_state}, [None] * world
+        rank_state, lanes = {"rank": self.rank, "rng": _rng_json(rng_state()), "data": data_state}, [None] * world
         dist.all_gather_object(lanes, None if lm is None or lm.tp_rank else {   # every language lane's position
             "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
             "state": data_state})
@@ -411,8 +428,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - {e[0] for e in entries})
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
-    sharded = hasattr(opt, "gather_state")
-    params = opt.params() if sharded else [p for g in opt.param_groups for p in g["params"]] if opt else []
+    params = opt.params() if opt is not None else []
     trained, mains = {id(p) for p in params}, {}
     with torch.no_grad():
         for name, t, _, coords, sizes in entries:
@@ -430,12 +446,8 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
         if fresh:
             say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: "
                 "fresh AdamW")
-    if sharded:   # its fp32 main weights from the checkpoint's (not from the model's possibly bf16 copy)
+    if opt is not None:   # its fp32 main weights from the checkpoint's (not from the model's possibly bf16 copy)
         opt.load(mains, states)
-    elif states is not None:
-        sd = opt.state_dict()
-        sd["state"] = {i: states[id(p)] for i, p in enumerate(params) if id(p) in states}
-        opt.load_state_dict(sd)
     saved = r.meta["layout"]
     rank_state = None
     if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune \
@@ -443,7 +455,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
         rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
                                "--no-load-rng (RNG and data-loader state then start afresh)")
     if load_rng and not finetune and rank_state is not None:
-        _set_rng_state(rank_state["rng"])
+        set_rng_state(_rng_from_json(rank_state["rng"]))
     elif load_rng and not finetune:
         say(f"saved under another layout ({r.meta.get('layout_text')}): RNG not restored (as --no-load-rng)")
     if hasattr(data, "load_state_dict") and not finetune:   # the data loader's own position, if it keeps one

@@ -4,6 +4,8 @@ Each function takes a process group; `None` (or a group of size 1) makes it the 
 runs on one CPU process, colocated, or sharded. The pairs are each other's adjoints:
 copy_to <-> reduce_from (Megatron's f / g), all_gather_dim <-> split_dim, all_to_all with swapped splits.
 """
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -160,6 +162,26 @@ def counted_in_replica(p, m):
     return "tp" in kinds or m.tp_rank == 0
 
 
+def device():
+    """The device collectives' tensors live on: the current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def on_every_rank(fn, *args, **kwargs):
+    """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
+    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
+    try:
+        out, error = fn(*args, **kwargs), None
+    except SystemExit as e:
+        out, error = None, str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise SystemExit(first)
+    return out
+
+
 def full_shape(shape, shards, sizes):
     """Shape of the whole tensor that a slice of `shape`, cut by `shards`, belongs to; sizes: {kind: group size}."""
     shape = list(shape)
@@ -173,3 +195,18 @@ def take_shard(full, shards, ranks, sizes):
     for kind, dim, segments in shards:
         full = shard(full, dim, ranks.get(kind, 0), sizes.get(kind, 1), segments)
     return full
+
+
+def draw(name, seed, shape, rule, device="cpu"):
+    """The full tensor `name` as rule(shape, generator) draws it, the generator (on `device`) seeded by (seed, name):
+    an initial value depends on neither the layout nor any other tensor. Every init draws through here (model.py,
+    radio.py, lora.py, hf_interop.py)."""
+    return rule(shape, torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())))
+
+
+def init_shard(t, name, seed, rule, ranks, sizes, device=None):
+    """t <- this rank's slice (t.shards; ranks / sizes by kind) of draw(name, ...) at t's full shape."""
+    shards = getattr(t, "shards", ())
+    full = draw(name, seed, full_shape(t.shape, shards, sizes), rule, device or t.device)
+    with torch.no_grad():
+        t.copy_(take_shard(full, shards, ranks, sizes))

@@ -4,7 +4,7 @@ every layout builds exactly the samples it owns, and changing the layout never c
 Sample: input_ids [L], labels [L] (-100 = no loss, padding included), images: list of [3, h*p, w*p] float tensors,
 CLIP-normalised and already at their patch-aligned size (None where the rank asked for no pixels), seq_idx [L]:
 document id per token of a packed row (None when unpacked). Image i occupies h_i*w_i/4 consecutive placeholder
-tokens (image_token_id) in input_ids (vision.md §11.1).
+tokens (image_token_id) in input_ids (docs/vision.md §9).
 
 Real data (--data PATH or "0.7:a.jsonl,0.3:b/*.parquet"; files, formats and record shapes: formats.py), any of
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": "..."},
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import formats
 import parallel
@@ -33,7 +32,7 @@ import radio
 from formats import Bad, BadSample, Overlong
 
 # Special tokens of the chat template (ChatML as in Nemotron Nano v2 / Nano-VL): <|im_start|>role\n...<|im_end|>\n;
-# an image is <img> + <image> x M + </img> (vision.md §11.1). The byte tokenizer reserves all of them.
+# an image is <img> + <image> x M + </img> (docs/vision.md §9). The byte tokenizer reserves all of them.
 SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<img>", "</img>")
 ROLES = ("system", "user", "assistant")
 
@@ -287,7 +286,7 @@ class Encoder:
 
     def encode(self, obj, base_dir, pixels, verify=False):
         """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors, or None without pixels.
-        Images share the room the text leaves in seq_len (vision.md §10)."""
+        Images share the room the text leaves in seq_len (docs/vision.md §8)."""
         cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
         pieces = self.pieces(obj)
         wrap = ("<img>" in sp) + ("</img>" in sp)
@@ -308,9 +307,8 @@ class Encoder:
                 runs.append((len(ids), len(ids) + len(run)))
                 ids += run
                 mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
-                if pixels:                   # normalise, then resize: linear, so the order does not matter
-                    images.append(F.interpolate(radio.normalize(u8)[None], size=(th * p, tw * p), mode="bicubic",
-                                                align_corners=False, antialias=True)[0])
+                if pixels:
+                    images.append(radio.resize(u8, th, tw, p))
             else:
                 ids += x
                 mask += train if isinstance(train, list) else [train] * len(x)
@@ -328,7 +326,7 @@ class Encoder:
 
 def make_row(docs, cfg, pad_id, packed):
     """Documents [(ids, mask, images)] -> one Sample of seq_len tokens. Labels never cross a document boundary
-    (each document's last token predicts nothing) and never ask for an image id (vision.md §11.1)."""
+    (each document's last token predicts nothing) and never ask for an image id (docs/vision.md §9)."""
     ids, labels, seq, images = [], [], [], []
     for d, (t, m, ims) in enumerate(docs):
         t, m = torch.tensor(t, dtype=torch.long), torch.tensor(m, dtype=torch.bool)

@@ -13,15 +13,14 @@ the rows of k and returns a zero gradient; the vision side runs the backward of 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
 import os
-import random
 import re
 import signal
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import data
 import moe
 
@@ -89,13 +88,7 @@ class Stop:
         return bool(self.agreed)
 
 
-def rng_state():
-    """This process's RNG at the start of a step (CUDA: the current device only, without touching the others)."""
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-
-
-def abandon_step(bridge, modules, loader, base, rng):
+def abandon_step(bridge, modules, opt, loader, base, rng):
     """Undo the step a signal stopped at a micro-batch boundary, so the signal checkpoint is the last completed
     step and resuming repeats this one exactly."""
     lay = bridge.lay
@@ -105,16 +98,10 @@ def abandon_step(bridge, modules, loader, base, rng):
             bridge.send_grad()
     while bridge.in_flight:
         bridge.backward_encoder()
-    for m in modules.values():
-        for p in m.parameters():
-            p.grad = p.main_grad = None   # main_grad: the fp32 accumulator of bf16 weights (optim.py)
+    opt.zero_grad()
     if "language" in modules:
         moe.discard_expert_counts(modules["language"])
-    random.setstate(rng[0])
-    np.random.set_state(rng[1])
-    torch.set_rng_state(rng[2])
-    if rng[3] is not None:
-        torch.cuda.set_rng_state(rng[3])
+    checkpoint.set_rng_state(rng)   # the step's start (checkpoint.rng_state)
     loader.next = base   # Loader.state_dict() reports the step's first sample as the next one
 
 

@@ -5,6 +5,9 @@ Eager PyTorch runs every op of these as its own kernel with a full-size intermed
 cross-entropy alone wrote and re-read the fp32 logits about ten times). The functions below are the only
 definition of their math: the CPU runs them eagerly, CUDA through torch.compile, and tests/test_gpu.py proves
 the two equal. Nothing here talks to other ranks; callers do the collectives between the pieces.
+
+Shape suffixes (logits_NV is [N, V]): N token positions (the rows of the logits), V vocab (this rank's shard), T tokens
+of an MoE layer, K experts per token, R routed rows (T x K, sorted by expert), D hidden size.
 """
 import functools
 

@@ -3,7 +3,7 @@
   nemotron_h_omni  the whole VLM, as released (Nemotron Nano Omni / VL): `language_model.` + the LM's names,
                    `vision_model.radio_model.model.` + RADIO's timm names (radio.hf_name), `mlp1.{0,1,3}` projector
   nemotron_h       the language model alone;  radio  a vision tower alone (`radio_model.model.` + timm names)
-LM names are the original ones (decoder.md §9), equal to ours except that HF stores routed experts one tensor per
+LM names are the original ones (docs/decoder.md §3), equal to ours except that HF stores routed experts one tensor per
 expert (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj`).
 Config fields HF does not carry (seq_len, image token budget, layout, ...) come from a preset.
 CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only]
@@ -40,7 +40,7 @@ HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, atten
                 n_shared_experts=1, mlp_hidden_act="relu2", mamba_hidden_act="silu", n_group=1, topk_group=1,
                 norm_topk_prob=True, residual_in_fp32=False, tie_word_embeddings=False, moe_latent_size=None,
                 sliding_window=None)
-# Written for completeness (Nano's values, decoder.md §2.1), not read back. time_step_* only drive HF's init.
+# Written for completeness (Nano's values, docs/decoder.md §1), not read back. time_step_* only drive HF's init.
 # Caveat: HF's torch Mamba path clamps dt at time_step_min; ours, the CUDA kernels and Megatron do not.
 HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32", attention_dropout=0.0,
                hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True, rescale_prenorm_residual=True)
@@ -352,10 +352,9 @@ class HFSource:
             errors += self._map(files if omni else _tensor_files(vision_hf), tower,
                                 lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
-        g = torch.Generator().manual_seed(seed)   # the LLaVA-style alignment start: --stage 1 trains the projector
-        for k in set(shapes) - set(self.where):
-            self.fresh[k] = torch.ones(shapes[k]) if k.endswith("mlp1.0.weight") else \
-                torch.randn(shapes[k], generator=g) * radio.INIT_STD
+        for k in set(shapes) - set(self.where):   # the LLaVA-style alignment start: --stage 1 trains the projector
+            name = k[len("vision."):]             # as a fresh tower draws it
+            self.fresh[k] = comm.draw(name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden))
         checkpoint.raise_errors(errors)
         self.tensors = {k: {"shape": list(shapes[k]), "dtype": "?", "optim": False} for k in shapes}
         self.meta = {"step": 0, "layout": None, "ranks": 0, "counters": dict(checkpoint.FRESH)}
@@ -462,7 +461,7 @@ def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, langu
     lora_names = [n for n in names if "lora_" in n]
     if adapters_only:   # base_model: the HF directory the run started from, if it did
         origin = (r.meta.get("run", {}).get("lineage") or [None])[0]
-        hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, omni=not language_only,
+        hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, "" if language_only else OMNI_LM,
                           base_model=origin if origin and is_hf_dir(origin) else None)
         return
     sd = {n: r.read(n) for n in names}

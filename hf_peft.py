@@ -18,7 +18,6 @@ import os
 import re
 
 import checkpoint
-import hf_interop
 import radio
 
 CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
@@ -34,10 +33,10 @@ RENAMES = [(r"(^|\.)backbone\.", r"\1model."), (r"radio_model\.model\.blocks\.",
 EXPERT_DEPTH = {"up": "base_layer.", "down": ""}
 
 
-def hf_module(name, omni):
+def hf_module(name, lm_root):
     """Our full module name ("language.…" / "vision.…") -> its name in the loaded transformers model."""
     if name.startswith("language."):
-        key = (hf_interop.OMNI_LM if omni else "") + name[len("language."):]
+        key = lm_root + name[len("language."):]
     else:
         key = radio.hf_name(name[len("vision."):] + ".weight")[:-len(".weight")]
     for pattern, repl in RENAMES:
@@ -45,10 +44,12 @@ def hf_module(name, omni):
     return key
 
 
-def save_peft(state_dict, cfg, out_dir, omni=True, base_model=None):
+def save_peft(state_dict, cfg, out_dir, lm_root, base_model=None):
     """Write the adapters of `state_dict` ({full name: full tensor}; other entries are ignored) as a PEFT adapter
-    directory for the nemotron_h_omni model (omni) or the nemotron_h language model (vision adapters dropped, as the
-    language-only export drops the tower). cfg: lora_rank, lora_alpha. base_model: its base_model_name_or_path."""
+    directory. lm_root: where the language model sits in the transformers model, "language_model." in a
+    nemotron_h_omni (hf_interop.OMNI_LM), "" in a nemotron_h, whose export drops the vision adapters as the
+    language-only export drops the tower. cfg: lora_rank, lora_alpha. base_model: its base_model_name_or_path."""
+    omni = bool(lm_root)
     adapters = {k: v for k, v in state_dict.items() if ".lora_" in k and (omni or k.startswith("language."))}
     if not adapters:
         raise ValueError("the checkpoint has no LoRA adapters" + (" (--lora-rank 0)" if omni else " in the language "
@@ -63,7 +64,7 @@ def save_peft(state_dict, cfg, out_dir, omni=True, base_model=None):
     for k, a in adapters.items():
         owner, kind = k.rsplit(".", 1)
         if kind == "lora_A":
-            key, b = hf_module(owner, omni), adapters[owner + ".lora_B"]
+            key, b = hf_module(owner, lm_root), adapters[owner + ".lora_B"]
             parts = {key: b} if not key.endswith(".attention.qkv") else \
                 {f"{key[:-3]}{p}_proj": bp for p, bp in zip("qkv", b.chunk(3))}
             for module, bp in parts.items():
@@ -71,7 +72,7 @@ def save_peft(state_dict, cfg, out_dir, omni=True, base_model=None):
                 tensors[f"{PREFIX}{module}.lora_A.weight"] = a
                 tensors[f"{PREFIX}{module}.lora_B.weight"] = bp
         elif kind.endswith("_A"):   # routed experts: lora_up_A [E, r, in], lora_up_B [E, out, r]
-            proj, key, b, E = kind[len("lora_"):-2], hf_module(owner, omni), adapters[k[:-1] + "B"], a.shape[0]
+            proj, key, b, E = kind[len("lora_"):-2], hf_module(owner, lm_root), adapters[k[:-1] + "B"], a.shape[0]
             params.add(f"{key}.{proj}_proj")
             root = f"{PREFIX}{key}.{EXPERT_DEPTH[proj]}"
             tensors[root + "lora_A.weight"] = a.reshape(E * r, a.shape[-1])

@@ -1,4 +1,4 @@
-"""The run's layout: the sizes of both grids (spec: shared/spec/parallel.md §3), their validation and the choice
+"""The run's layout: the sizes of both grids (docs/parallel.md §1, §4), their validation and the choice
 of a layout when the command line names none. Pure: runs before init_process_group, and for --dry-run without it.
 
 Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank (parallel.py builds
@@ -73,7 +73,7 @@ class Layout:
         return self.samples_per_microbatch // self.vision_dp
 
     @property
-    def num_microbatches(self):         # counted from language dp, identical on both grids (§6.2)
+    def num_microbatches(self):         # counted from language dp, identical on both grids (docs/parallel.md §7)
         return self.global_batch // self.samples_per_microbatch
 
     def describe(self):
@@ -86,7 +86,8 @@ class Layout:
 
 
 def check_layout(lay, cfg):
-    """Every rule of spec D2 plus the model's divisibility needs. Raises one SystemExit listing all problems."""
+    """Every rule of docs/parallel.md §1 (decision D2) plus the model's divisibility needs. Raises one SystemExit
+    listing all problems."""
     vision = f"vision {lay.vision_size} (tp{lay.vision_tp} x dp{lay.vision_dp})"
     lm = f"language {lay.lm_size} (tp{lay.lm_tp} x cp{lay.lm_cp} x dp{lay.lm_dp} x pp{lay.lm_pp})"
     errors = []

@@ -1,6 +1,7 @@
 """What a run tells its user, from one rank: the start (config, data, parameters), one line per step (console and
 --metrics-file / --tensorboard), eval lines and the closing summary. Console lines go through tqdm.write, so they
 never break the progress bar a person watching a terminal sees. Metric keys name their units (_s, _gib, per_s).
+Shape suffixes: counts_LE is [L, E], L MoE layers, E routed experts.
 """
 import json
 import math

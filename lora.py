@@ -6,7 +6,7 @@ shared-expert MLPs, and the routed experts, one adapter pair per expert, applied
 
 Sharding follows the frozen weight, so any tp / ep layout computes the one-device function:
   column-parallel W (rows over tp):  B's rows shard like W's; A sees the whole input and is replicated, its
-                                      gradient a partial sum per tp rank (`tp_partial`, summed by parallel.py)
+                                      gradient a partial sum per tp rank (`tp_partial`, summed by optim.py)
   row-parallel W (columns over tp):  A's columns shard like W's; the product leaves through W's reduce_from,
                                       B is replicated, its gradient partial per tp rank
   experts:                            every adapter sharded over ep with its expert (etp must be 1)
@@ -17,7 +17,6 @@ merge() folds adapters into full weights (export-hf); checkpoints hold adapters 
 """
 import math
 import re
-import zlib
 
 import torch
 import torch.nn as nn
@@ -63,11 +62,11 @@ def apply(modules, cfg, par=None, seed=0):
                 continue
             p.data = p.data.to(device)
             if name.endswith("_A"):   # fan_in: the last dim at full size
-                shape = comm.full_shape(p.shape, getattr(p, "shards", ()), sizes)
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{key}.{name}".encode()))
-                full = (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(shape[-1])
-                with torch.no_grad():
-                    p.copy_(comm.take_shard(full, getattr(p, "shards", ()), ranks, sizes))
+                comm.init_shard(p, f"{key}.{name}", seed, _uniform_fan_in, ranks, sizes, "cpu")
+
+
+def _uniform_fan_in(shape, gen):
+    return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(shape[-1])
 
 
 def _attach_linear(lin, r, scale):

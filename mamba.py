@@ -1,6 +1,7 @@
 """Mamba2 mixer: in_proj -> causal conv + SiLU -> chunked SSD (+ D skip) -> gated grouped RMSNorm -> out_proj.
 
-Two execution paths with the same math (tests/test_mamba.py proves them equal):
+Two execution paths with the same math (tests/test_gpu.py::test_mamba_kernel_matches_reference_fp32 holds them
+to docs/decoder.md §4's tolerances; tests/test_decoder.py checks the reference against the plain recurrence):
 - CPU / reference: pure PyTorch. Chunked SSD after Mamba-2 "Listing 1" (ssd_minimal), extended with a document
   mask so packed sequences (`seq_idx`) reset the state without per-document loops.
 - CUDA: `mamba_ssm`'s fused `mamba_split_conv1d_scan_combined` (conv via causal_conv1d, SSD, gated norm in one
@@ -8,6 +9,12 @@ Two execution paths with the same math (tests/test_mamba.py proves them equal):
 
 Tensor parallel: each rank owns H/tp heads and G/tp groups; in_proj rows are laid out [z | x | B | C | dt] per
 rank (segments sharded separately), so the local split is the same code as on one device.
+
+Shape suffixes (u_BLD is [B, L, D]; widths are this tp rank's share): B batch, L sequence, D hidden size, I inner
+width (heads x head dim), C conv channels (I + 2 G N), W conv kernel width. Sizes: H heads, P head dim, G groups,
+N state size (lowercase in ssd_chunked's shapes, with b batch, c chunks, Q chunk length; its einsums' l and s are
+positions in a chunk, z a chunk). The tensors B, C (ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the
+SSM's input, output and skip terms (docs/decoder.md §2), not sizes.
 """
 import torch
 import torch.nn as nn

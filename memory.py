@@ -90,13 +90,13 @@ def parameter_bytes(cfg, lay, cuda=True):
     out["language"]["setup"] = 8 * parameter_counts(cfg)[1]   # the sizing model's are full size
     for kind, expert, trained, n, d in local_parameters(cfg, lay):
         b = out[kind]
-        fp32 = trained and optim.fp32_weights(d, expert, cuda, cfg.activation_checkpointing)
+        fp32 = trained and optim.fp32_weights(distributed, d, expert, cuda, cfg.activation_checkpointing)
         bf16 = distributed and cuda and not fp32
         b["weights"] += n * (2 if bf16 else 4)
         b["setup"] += n * 4
         if trained:
             b["gradients"] += n * 4
-            b["optimizer"] += n * (8 if fp32 or not distributed else 12 / d)
+            b["optimizer"] += n * (8 if fp32 else 12 / d)
             b["casts"] += n * 2 if cuda and not distributed else 0
     return out
 

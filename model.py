@@ -7,10 +7,12 @@
 Module names equal the HF NemotronH checkpoint names (backbone.layers.{i}.mixer.…), except that a layer's routed
 experts are stacked into experts.up_proj [E, F, D] / experts.down_proj [E, D, F] for grouped GEMM.
 Every module takes its process groups (None = single device); local shapes are the full shapes / group size.
+
+Shape suffixes (h_BLD is [B, L, D]; a tensor holds this rank's share of a dim tp splits): B batch, L sequence,
+D hidden size, N token positions (B x L flattened), V vocab, E routed experts, F expert ffn width.
 """
 import math
 import re
-import zlib
 
 import torch
 import torch.distributed as dist
@@ -222,22 +224,21 @@ def set_trainable(modules, stage=2, regex=None):
 
 def init_weights(model, seed, coords, cfg):
     """Draw every parameter as its full tensor from a generator seeded by (seed, name), then keep this rank's
-    shard. The initial model is then the same for every layout (tp, ep, hetero or colocated).
+    shard. The initial model is then the same for every layout (tp, ep, hetero or colocated). The values:
+    docs/decoder.md §1 (std, output layers) and §2 (Mamba).
 
     coords: {"tp": (rank, size), "ep": ..., "etp": ...}; kinds left out are unsharded.
     """
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(len(cfg.hybrid_override_pattern))
     ranks, sizes = {k: r for k, (r, _) in coords.items()}, {k: n for k, (_, n) in coords.items()}
     for name, p in model.named_parameters():
-        shards = getattr(p, "shards", ())
-        gen = torch.Generator(p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = _decoder_rule(name, comm.full_shape(p.shape, shards, sizes), gen, std, out_std, cfg.conv_kernel,
-                             p.device)
-        with torch.no_grad():
-            p.copy_(comm.take_shard(full, shards, ranks, sizes))
+        rule = lambda shape, gen, name=name: _decoder_rule(name, shape, gen, std, out_std, cfg.conv_kernel)  # noqa
+        comm.init_shard(p, name, seed, rule, ranks, sizes)
 
 
-def _decoder_rule(name, shape, gen, std, out_std, conv_kernel, device):
+def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
+    device = gen.device
+
     def uniform(lo, hi):
         return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
     leaf = name.rsplit(".", 1)[-1]
@@ -276,8 +277,8 @@ def lm_flops_per_token(cfg, seq_len):
 
     matmuls: 6 * active matmul parameters (all active parameters except the embedding lookup);
     attention: causal scores + values, 2 * 2 * (seq/2) * heads * head_dim per layer, x3;
-    SSD (chunk Q, state N, head dim P): per head, intra-chunk scores and values 2 * (Q/2) * (N + P) and state
-    in/out 2 * 2 * N * P, x3.
+    SSD (chunk c, state s, head dim p): per head, intra-chunk scores and values 2 * (c/2) * (s + p) and state
+    in/out 2 * 2 * s * p, x3.
     """
     _, active = count_language_params(cfg)
     matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size)
@@ -288,8 +289,8 @@ def lm_flops_per_token(cfg, seq_len):
 
 def ssd_flops_per_token(cfg):
     """Training FLOPs per token of one Mamba layer's SSD (see lm_flops_per_token)."""
-    Q, N, P = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
-    return 3 * cfg.mamba_num_heads * (Q * (N + P) + 4 * N * P)
+    c, s, p = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
+    return 3 * cfg.mamba_num_heads * (c * (s + p) + 4 * s * p)
 
 
 def vision_flops(cfg, grids, tower_trains):

@@ -6,6 +6,11 @@ Token flow of one MoE layer (x is replicated over the language tp group, as ever
   dispatch: sort by expert, all_to_all over ep (+ all-gather over etp), grouped GEMM, and back
   combine: weight on the sender, sum each token's k rows (a gather), all-gather the tp slices
   + shared expert (tensor parallel like a dense MLP)
+
+Shape suffixes (x_TD is [T, D]): B batch, L sequence, D hidden size, E routed experts, F expert ffn width, T tokens
+(B x L, or this tp rank's slice of them), K experts per token, R routed rows (one per token and choice, sorted by
+expert), S source ranks of the exchange, J this rank's experts (E / ep), G groups of a grouped GEMM (this rank's
+experts), I and O a grouped GEMM's input and output widths (D and F, or F and D).
 """
 import torch
 import torch.distributed as dist
@@ -134,18 +139,18 @@ def expert_ffn(x_RD, w_up, w_down, counts, lora=None):
     return y
 
 
-def grouped_mm(x_RD, w_GND, counts):
+def grouped_mm(x_RI, w_GOI, counts):
     """Rows of group g times w[g]^T; counts: rows per group, an int tensor.
 
     bf16 CUDA: one torch grouped GEMM whose offsets stay on the device (counts on the host would cost a stream
     sync for the copy). Otherwise a loop over groups."""
-    if x_RD.is_cuda and torch.is_autocast_enabled("cuda"):  # grouped_mm is not autocast-aware
-        x_RD = x_RD.to(torch.get_autocast_dtype("cuda"))
-    if x_RD.is_cuda and x_RD.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
-        offs = torch.cumsum(counts.to(x_RD.device), 0, dtype=torch.int32)
-        return F.grouped_mm(x_RD, w_GND.to(x_RD.dtype).transpose(-2, -1), offs=offs)
-    parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RD, counts.tolist()), w_GND)]
-    return torch.cat(parts) if parts else x_RD.new_zeros(0, w_GND.shape[1])
+    if x_RI.is_cuda and torch.is_autocast_enabled("cuda"):  # grouped_mm is not autocast-aware
+        x_RI = x_RI.to(torch.get_autocast_dtype("cuda"))
+    if x_RI.is_cuda and x_RI.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        offs = torch.cumsum(counts.to(x_RI.device), 0, dtype=torch.int32)
+        return F.grouped_mm(x_RI, w_GOI.to(x_RI.dtype).transpose(-2, -1), offs=offs)
+    parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RI, counts.tolist()), w_GOI)]
+    return torch.cat(parts) if parts else x_RI.new_zeros(0, w_GOI.shape[1])
 
 
 class MoE(nn.Module):
@@ -367,7 +372,7 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
     """Rows received from DeepEP (one per token and rank; local expert ids, -1 = not here) through the experts.
     counts (rows per local expert) is DeepEP's host list, so nothing here waits for the GPU: the -1 slots sort
     last and the first sum(counts) of the order are the routed ones."""
-    R, K = recv_idx.shape
+    K = recv_idx.shape[1]
     flat = recv_idx.reshape(-1)
     order = torch.argsort(torch.where(flat >= 0, flat, len(counts)), stable=True)[:sum(counts)]
     rows = order // K

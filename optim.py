@@ -1,28 +1,41 @@
-"""The optimizer: AdamW, plain or distributed (Megatron's distributed optimizer, written by hand on torch.distributed).
+"""Everything after backward, in one class (Megatron's distributed optimizer, by hand on torch.distributed): the
+gradient buffers, their reduction, the global norm, clipping, the inf / nan consensus, AdamW and its checkpoint
+state. train.py calls `norm, ok = opt.finish(n_tokens, max_norm)`, then, if ok, `opt.step()`. The rules it keeps
+(per-module sums, one token count, one norm, all ranks skip together): docs/parallel.md §8.
 
-Distributed (the default): every trained parameter belongs to one data-parallel domain, the group over which its
-gradient is summed (vision dp for the tower, language dp-cp for dense weights, edp for routed experts). A domain's
-parameters are packed into buckets (flat, decay and no-decay apart, about BUCKET_BYTES each), each cut into equal
-contiguous shards, one per rank of the domain. A rank keeps, for its shard only, the fp32 main weights
-and the AdamW moments: 12 / dp bytes per parameter instead of 12. The step:
-  reduce_scatter_grads  the bucket's fp32 gradient buffer -> reduce-scatter (SUM) over the domain -> this rank's shard
-  (norm, clip: parallel.finalize_gradients on the shards; each element is counted once per model replica)
-  step                  torch AdamW on the shards (elementwise, so the same numbers as unsharded AdamW), then the
-                        updated shards are all-gathered and copied into the model's weights
-On CUDA those weights are bf16 (2 bytes, and no autocast cast per micro-batch), and each accumulates its
-micro-batch gradients into an fp32 `main_grad` (a hook, as Megatron does) so their sum is not rounded to bf16;
-each main_grad is a view of its bucket's persistent fp32 gradient buffer, which is what gets reduce-scattered:
-2 + 4 + 12 / dp bytes. A domain of one rank (experts at edp 1) has one shard, the whole bucket: 18 bytes, as
-plain AdamW's 16 plus the bf16 copy autocast keeps of every trained fp32 weight for backward. Where a one-rank
-bucket's weights stay fp32 they are views of its main weights (no second fp32 copy, nothing to gather): always on
-the CPU, and on CUDA for routed experts under --activation-checkpointing, whose bf16 casts (made in
-moe.grouped_mm) are then dropped after each layer and recomputed: 16 bytes instead of 18, the same numbers, one
-cast more per micro-batch (fp32_weights). Frozen weights are bf16 on CUDA, fp32 on the CPU.
-Why by hand, not FSDP2: the tower, dense and expert weights of one module step over three different groups, on two
-different grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that needs.
-Checkpoints keep the per-parameter format (checkpoint.py): gather_state assembles full moments and fp32 main
-weights, load takes this rank's shard of them, so a run resumes into any dp.
+Every trained parameter belongs to one data-parallel domain, the group over which its gradient is summed (vision dp
+for the tower, language dp-cp for dense weights, edp for routed experts). A domain's parameters are packed into
+buckets (flat, decay and no-decay apart, about BUCKET_BYTES each) with one persistent fp32 gradient buffer each: a
+post-accumulate hook adds each micro-batch's gradient into its parameter's view of it (`main_grad`, as Megatron
+does), so the sum over micro-batches is fp32 whatever the weights' dtype. finish():
+  1. tp-partial sums  adapters whose gradient is a partial sum per tp rank (lora.py `tp_partial`): all-reduce over tp
+  2. data parallel    sharded (the default): the buffer is cut into equal contiguous shards, one per rank of the
+                      domain, and reduce-scattered; a rank keeps, for its shard only, the fp32 main weights and the
+                      AdamW moments: 12 / dp bytes a parameter instead of 12. Replicated (--no-distributed-
+                      optimizer): the buffer is all-reduced and every rank keeps the whole bucket, so plain AdamW is
+                      the one-shard case of the sharded optimizer.
+  3. norm             every element once: a shard's pieces (replicated buckets: on the domain's rank 0), tp / ep
+                      replicas once (comm.counted_in_replica); fp64, one all-reduce over WORLD that also carries the
+                      sum over every local copy, so an inf / nan on any rank makes every rank skip (ok False)
+  4. scale            divided by the step's token count and clipped to max_norm, in one multiply
+step(): torch AdamW on the shards (elementwise: the same numbers as unsharded AdamW), then the updated shards are
+all-gathered into the model's weights.
+Weights, a policy (fp32_weights): sharded on CUDA they are bf16 (2 bytes, no autocast cast a micro-batch): 2 + 4 +
+12 / dp bytes. A one-shard bucket whose weights stay fp32 makes them views of its main weights (no second fp32
+copy, nothing to gather): replicated always, sharded on the CPU at dp 1, and on CUDA for routed experts at edp 1
+under --activation-checkpointing (their bf16 casts, made in moe.grouped_mm, are dropped after each layer and
+recomputed: 16 bytes instead of 18, the same numbers). Frozen weights are bf16 on CUDA when sharded.
+Checkpoints: one per-parameter format (checkpoint.py). gather_state assembles each parameter's full fp32 main
+weights and moments, load takes this rank's shard of them, so a run resumes into any dp and either mode; a
+parameter's state comes back whatever else shares its bucket (AdamW counts steps per bucket, so a bucket whose
+parameters' states differ in age, e.g. a stage 2 checkpoint in a stage 3 run, is first split by age).
+Why by hand, not DDP / FSDP2: gradients accumulate over all micro-batches and are reduced once, explicitly (text-only
+encoder ranks would never fire DDP's hooks); the tower, dense and expert weights of one module step over three
+different groups, on two grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that
+needs.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -34,42 +47,27 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def plain(modules, lr, weight_decay, device):
-    """torch AdamW over the trainable parameters (--no-distributed-optimizer): fp32 weights, state and gradients."""
-    decay, no_decay = [], []
-    for m in modules:
-        for p in m.parameters():
-            if p.requires_grad:  # norms, biases, A_log, D, dt_bias are the 1-D parameters
-                (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
 def build(par, vision, lm, cfg, device):
-    """None where nothing trains; plain AdamW with --no-distributed-optimizer; else DistributedAdamW, and on CUDA
-    bf16 weights (frozen ones too: they have no fp32 copy anywhere)."""
-    modules = [m for m in (vision, lm) if m is not None]
-    trains = any(p.requires_grad for m in modules for p in m.parameters())
-    if not cfg.distributed_optimizer:
-        return plain(modules, cfg.lr, cfg.weight_decay, device) if trains else None
-    opt = DistributedAdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device,
-                           cfg.activation_checkpointing) if trains else None
-    if device.type == "cuda":   # after the fp32 main weights were taken from the fp32 initial weights
-        aliased = {id(p) for b in opt.buckets if b.alias for p in b.params} if opt else set()
-        for m in modules:
+    """The run's optimizer, on every rank (one that trains nothing still joins finish()'s collectives). Sharded on
+    CUDA, every weight that is not a view of its main weights becomes bf16 (frozen ones have no fp32 copy at all)."""
+    opt = AdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device, cfg.distributed_optimizer,
+                cfg.activation_checkpointing)
+    if device.type == "cuda" and cfg.distributed_optimizer:   # the fp32 main weights came from the fp32 init
+        aliased = {id(p) for b in opt.buckets if b.alias for p in b.params}
+        for m in (m for m in (vision, lm) if m is not None):
             for p in m.parameters():
                 if id(p) not in aliased:
                     p.data = p.data.to(torch.bfloat16)
     return opt
 
 
-def fp32_weights(domain_size, expert, cuda, checkpointing):
+def fp32_weights(sharded, domain_size, expert, cuda, checkpointing):
     """Whether trained weights stay fp32 as views of their main weights (see the module docstring)."""
-    return domain_size == 1 and (not cuda or (expert and checkpointing))
+    return not sharded or (domain_size == 1 and (not cuda or (expert and checkpointing)))
 
 
 def domains(par, vision, lm):
-    """(group, ModuleGroups, trainable parameters) per data-parallel domain this rank is in."""
+    """(group, ModuleGroups, trained parameters) per data-parallel domain of the modules this rank holds."""
     out = []
     if vision is not None:
         out.append((par.vision.dp_cp, par.vision, [p for p in vision.parameters() if p.requires_grad]))
@@ -81,17 +79,22 @@ def domains(par, vision, lm):
 
 
 class Bucket:
-    """Parameters packed flat (offsets), padded to group size x shard; this rank owns [lo, lo + shard)."""
+    """Parameters packed flat (offsets) and their fp32 gradient buffer, padded to shards x shard. This rank owns
+    [lo, lo + shard): the main weights and moments AdamW steps. shards: the domain's size (sharded) or 1
+    (replicated: the whole bucket on every rank). values: {id(param): tensor} the main weights start from (default:
+    the parameters)."""
 
-    def __init__(self, params, group, groups, decay, fp32):
-        self.params, self.group, self.groups, self.decay = params, group, groups, decay
-        self.n, rank = comm.group_size(group), comm.group_rank(group)
+    def __init__(self, params, group, groups, decay, sharded, fp32, values=None):
+        self.params, self.group, self.groups, self.decay, self.sharded = params, group, groups, decay, sharded
+        size, rank = comm.group_size(group), comm.group_rank(group)
+        self.n = size if sharded else 1
+        self.counts = sharded or rank == 0   # whose copy of the reduced gradient the norm counts
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.shard = -(-self.offsets[-1] // self.n)
-        self.lo = rank * self.shard
-        self.main = self.local({id(p): p.detach() for p in params})
+        self.lo = rank * self.shard if sharded else 0
+        self.main = self.local(values or {id(p): p.detach() for p in params})
         self.grad = torch.zeros(self.shard * self.n, dtype=torch.float32, device=self.main.device)
         for p, g in zip(params, self.split(self.grad).values()):
             p.grad_view = g   # its main_grad once a micro-batch reaches it (_accumulate_fp32)
@@ -108,10 +111,11 @@ class Bucket:
                 yield p, a - off, b - off, a - self.lo
 
     def local(self, tensors):
-        """This rank's fp32 shard of {id(param): full tensor} (zeros where the bucket is padding)."""
+        """This rank's fp32 shard of {id(param): full tensor}, zeros where a parameter is missing or for padding."""
         out = torch.zeros(self.shard, dtype=torch.float32, device=self.params[0].device)
         for p, a, b, s in self.segments():
-            out[s:s + b - a] = tensors[id(p)].reshape(-1)[a:b]
+            if id(p) in tensors:
+                out[s:s + b - a] = tensors[id(p)].reshape(-1)[a:b]
         return out
 
     def gather(self, shard):
@@ -126,15 +130,26 @@ class Bucket:
         """{id(param): view of the full bucket shaped like the parameter}."""
         return {id(p): full[off:off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets)}
 
+    def reduce(self):
+        """The gradient buffer summed over the domain -> main.grad, this rank's shard of it."""
+        if self.n > 1:
+            self.main.grad = torch.empty_like(self.main)
+            _reduce_scatter(self.main.grad, self.grad, group=self.group)
+            return
+        if comm.group_size(self.group) > 1:
+            dist.all_reduce(self.grad, group=self.group)
+        self.main.grad = self.grad
 
-class DistributedAdamW:
-    """AdamW over the fp32 shards of the buckets of every domain; `param_groups` are its inner AdamW's (train.py
-    sets lr on them)."""
 
-    def __init__(self, domain_list, lr, weight_decay, device, checkpointing=False):
-        self.buckets = []
+class AdamW:
+    """AdamW (betas 0.9, 0.95; decay on >= 2-D parameters) over the buckets of every domain, sharded or replicated
+    (the module docstring). `param_groups` are its inner torch AdamW's: train.py sets lr on them."""
+
+    def __init__(self, domain_list, lr, weight_decay, device, sharded=True, checkpointing=False):
+        self.lr, self.weight_decay, self.fused, self.sharded = lr, weight_decay, device.type == "cuda", sharded
+        self.buckets, self.partial = [], []
         for group, groups, params in domain_list:
-            fp32 = bool(params) and fp32_weights(comm.group_size(group), comm.is_expert(params[0]),
+            fp32 = bool(params) and fp32_weights(sharded, comm.group_size(group), comm.is_expert(params[0]),
                                                  device.type == "cuda", checkpointing)
             for decay in (True, False):
                 bucket, size = [], 0
@@ -142,50 +157,62 @@ class DistributedAdamW:
                     bucket.append(p)
                     size += p.numel() * 4
                     if size >= BUCKET_BYTES:
-                        self.buckets.append(Bucket(bucket, group, groups, decay, fp32))
+                        self.buckets.append(Bucket(bucket, group, groups, decay, sharded, fp32))
                         bucket, size = [], 0
                 if bucket:
-                    self.buckets.append(Bucket(bucket, group, groups, decay, fp32))
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(_accumulate_fp32)
-        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": weight_decay},
+                    self.buckets.append(Bucket(bucket, group, groups, decay, sharded, fp32))
+            partial = [p for p in params if getattr(p, "tp_partial", False)]
+            if partial and groups.tp_size > 1:
+                self.partial.append((groups.tp, partial))
+        for p in self.params():
+            p.register_post_accumulate_grad_hook(_accumulate_fp32)
+        self.inner = self._inner()
+
+    def _inner(self):
+        groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": self.weight_decay},
                   {"params": [b.main for b in self.buckets if not b.decay], "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+        groups = [g for g in groups if g["params"]]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), fused=self.fused) if groups else None
 
     @property
     def param_groups(self):   # AdamW.load_state_dict replaces its list
-        return self.inner.param_groups
+        return self.inner.param_groups if self.inner is not None else []
 
     def params(self):
         return [p for b in self.buckets for p in b.params]
 
-    def reduce_scatter_grads(self):
-        """SUM each bucket's gradients over its group into this rank's fp32 shard (main.grad); frees the
-        parameters' gradients. A missing gradient is zeros (see parallel.allreduce_grads).
-        Returns (counted, copies): the gradient pieces the global norm counts, and the other local ones."""
-        counted, copies = [], []
+    def finish(self, n_tokens, max_norm):
+        """Steps 1-4 of the module docstring -> (norm of the divided gradients, ok). ok is False on every rank when
+        any rank saw inf / nan: the gradients are then dropped. Collective: every rank calls it once a step."""
         for b in self.buckets:
             for p in b.params:
-                if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside)
-                    p.grad_view.copy_(p.grad) if p.grad is not None else p.grad_view.zero_()
+                if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside):
+                    p.grad_view.copy_(p.grad) if p.grad is not None else p.grad_view.zero_()   # it steps like zeros
                 p.grad = p.main_grad = None
-            if b.n == 1:
-                b.main.grad = b.grad
-            else:
-                b.main.grad = torch.empty_like(b.main)
-                _reduce_scatter(b.main.grad, b.grad, group=b.group)
+        for group, params in self.partial:
+            _allreduce([p.grad_view for p in params], group)
+        counted, copies = [], []
+        for b in self.buckets:
+            b.reduce()
             for p, a, e, s in b.segments():
                 piece = b.main.grad[s:s + e - a]
-                (counted if comm.counted_in_replica(p, b.groups) else copies).append(piece)
-        return counted, copies
-
-    def shard_grads(self):
-        return [b.main.grad for b in self.buckets if b.main.grad is not None]
+                (counted if b.counts and comm.counted_in_replica(p, b.groups) else copies).append(piece)
+        n = max(n_tokens, 1)
+        norm = _global_norm(counted, copies) / n   # the norm scales with the gradients
+        ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
+        if ok:
+            factor = (min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0) / n   # max_norm 0: no clipping
+            if self.buckets and factor != 1.0:
+                torch._foreach_mul_([b.main.grad for b in self.buckets], factor)
+        else:
+            self.zero_grad()
+        return norm, ok
 
     def step(self):
         """AdamW on the shards, then every rank's updated shard into the model's weights (gathered in the weights'
         dtype: bf16 on CUDA, half the bytes of the fp32 shards, and the same rounding as copying fp32 into them)."""
+        if self.inner is None:
+            return
         self.inner.step()
         with torch.no_grad():
             for b in (b for b in self.buckets if not b.alias):
@@ -214,19 +241,51 @@ class DistributedAdamW:
         return out
 
     def load(self, mains, states=None):
-        """fp32 main weights {id(param): full tensor} (and, unless None, AdamW states alike) into this rank's
-        shards. Parameters missing from `mains` keep their main weights, missing from `states` start fresh."""
-        by_main = {id(b.main): b for b in self.buckets}
-        sd = self.inner.state_dict()
+        """fp32 main weights {id(param): full tensor} (and AdamW states alike, unless None) into this rank's shards.
+        A parameter missing from `mains` keeps its main weights, one missing from `states` starts fresh."""
+        if states is not None:
+            self._split_by_age(states)
+        sd = self.inner.state_dict() if self.inner is not None else {"state": {}}
         sd["state"] = {}
-        for i, b in enumerate(by_main[id(t)] for g in self.inner.param_groups for t in g["params"]):
-            if all(id(p) in mains for p in b.params):
-                b.main.data.copy_(b.local({id(p): mains[id(p)].float() for p in b.params}))
-            if states is not None and all(id(p) in states for p in b.params):
-                sd["state"][i] = {"step": states[id(b.params[0])]["step"],
-                                  **{k: b.local({id(p): states[id(p)][k] for p in b.params})
-                                     for k in ("exp_avg", "exp_avg_sq")}}
-        self.inner.load_state_dict(sd)
+        for i, b in enumerate(b for b in self.buckets if b.decay):   # the inner groups' order: decay first
+            self._load_bucket(b, i, mains, states, sd)
+        first = sum(b.decay for b in self.buckets)
+        for i, b in enumerate((b for b in self.buckets if not b.decay), start=first):
+            self._load_bucket(b, i, mains, states, sd)
+        if self.inner is not None:
+            self.inner.load_state_dict(sd)
+
+    @staticmethod
+    def _load_bucket(b, i, mains, states, sd):
+        with torch.no_grad():
+            for p, a, e, s in b.segments():
+                if id(p) in mains:
+                    b.main[s:s + e - a] = mains[id(p)].reshape(-1)[a:e].float()
+        if states is not None and id(b.params[0]) in states:   # split by age: all of the bucket has state, or none
+            sd["state"][i] = {"step": states[id(b.params[0])]["step"],
+                              **{k: b.local({id(p): states[id(p)][k] for p in b.params})
+                                 for k in ("exp_avg", "exp_avg_sq")}}
+
+    def _split_by_age(self, states):
+        """Replace every bucket whose parameters' saved states differ in age (step count; none counts as 0) by one
+        bucket per age, with the same main weights, and rebuild the inner AdamW (it has no state yet). Every rank of
+        a domain holds the same parameters, so all of them split alike."""
+        age = lambda p: float(states[id(p)]["step"]) if id(p) in states else 0.0   # noqa: E731
+        out = []
+        for b in self.buckets:
+            ages = sorted({age(p) for p in b.params})
+            if len(ages) == 1:
+                out.append(b)
+                continue
+            values = b.split(b.gather(b.main))   # fp32, whatever the weights' dtype
+            out += [Bucket([p for p in b.params if age(p) == a], b.group, b.groups, b.decay, b.sharded, b.alias,
+                           values) for a in ages]
+        if len(out) != len(self.buckets):
+            self.buckets = out
+            self.inner = self._inner()
+        for p in self.params():   # a fresh parameter's state is none, not step 0
+            if id(p) in states and age(p) == 0.0:
+                del states[id(p)]
 
 
 def _accumulate_fp32(p):
@@ -239,3 +298,26 @@ def _accumulate_fp32(p):
     else:
         p.main_grad.add_(p.grad)
     p.grad = None
+
+
+def _allreduce(tensors, group):
+    """SUM all-reduce fp32 `tensors` over `group`, as one flat buffer."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, r in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(r.view_as(t))
+
+
+def _global_norm(counted, copies):
+    """sqrt(sum of squares of `counted`) over every rank, identical on all (one SUM all-reduce over WORLD). The same
+    all-reduce carries the sum over `copies` too: an inf / nan anywhere, even in a copy the norm does not count,
+    makes the result nan on every rank."""
+    local = torch.zeros(2, dtype=torch.float64, device=comm.device())
+    if counted or copies:                  # counted first, so the norm is a prefix of one batched norm
+        sq = torch.stack(torch._foreach_norm(counted + copies, dtype=torch.float64)) ** 2  # fp64: the same
+        # value however the gradients are cut into pieces (shards)
+        local[0] = sq[:len(counted)].sum()
+        local[1] = sq.sum()
+    dist.all_reduce(local)
+    total, check = local.tolist()
+    return math.sqrt(total) if math.isfinite(total) and math.isfinite(check) else float("nan")

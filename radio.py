@@ -1,12 +1,19 @@
-"""RADIO ViT vision tower, 2x2 pixel shuffle and projector (spec: shared/spec/vision.md).
+"""RADIO ViT vision tower, 2x2 pixel shuffle and projector (docs/vision.md).
 
-Flow for a microbatch of n images (spec §7-9):
+Flow for a microbatch of n images (docs/vision.md §5-7):
   patches [T, 3p²] --Linear--> + per-image CPE --> [cls_0, img_0, cls_1, img_1, ...] (one packed sequence)
   --> pre-LN blocks with block-diagonal attention --> drop class tokens --> per-image 2x2 shuffle [T/4, 4C]
   --> RMSNorm -> Linear -> ReLU² -> Linear --> [T/4, D] in image order.
 Tensor parallel (Megatron style) splits attention heads and the MLP width over `tp_group`; everything else,
 including the projector, is replicated and computed redundantly on every TP rank.
 Image preprocessing helpers (token budget, resize, normalise, patchify) live at the bottom.
+
+Shape suffixes (x_SC is [S, C]; a dim that tp splits is this rank's share of it):
+  S packed sequence (every image's K class tokens and its patches)   T patches of the micro-batch (sum of h*w)
+  N patches of one image (h*w)   Q tokens after the shuffle (T/4)   C ViT width   X shuffled width (4C)
+  D language hidden size   A attention heads   d head dim (q_SAd: [S, A, d])   E attention width (A x d)
+  M MLP width   R CPE table side   P CPE table positions (R*R)   m max(h, w)   h, w patch grid
+  H, W image height, width in pixels   1, 2, 3 a batch of one, an (x, y) pair, RGB
 """
 import math
 
@@ -20,41 +27,42 @@ import lora
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-INIT_STD = 0.02          # all block / projector weights; pos table, class tokens and embedder follow the spec
+INIT_STD = 0.02          # all block / projector weights; pos table, class tokens and embedder: docs/vision.md §3
+SEED = 10000             # the tower's weights are drawn from cfg.seed + SEED (train.py: seeds)
 
 
-# ---------------------------------------------------------------- position encoding (CPE, spec §3)
+# ---------------------------------------------------------------- position encoding (CPE, docs/vision.md §2)
 
-def cpe_eval(table_1QC, h, w, R):
+def cpe_eval(table_1PC, h, w, R):
     """Eval-mode CPE: bilinear (align_corners=False) resize of the R×R table to m×m, m = max(h, w), then a
     top-left crop, so the long side spans the whole table and the aspect ratio is kept. -> [h*w, C]."""
-    C = table_1QC.shape[-1]
+    C = table_1PC.shape[-1]
     if (h, w) == (R, R):
-        return table_1QC[0]
-    t_1CRR = table_1QC.reshape(1, R, R, C).permute(0, 3, 1, 2)
+        return table_1PC[0]
+    t_1CRR = table_1PC.reshape(1, R, R, C).permute(0, 3, 1, 2)
     m = max(h, w)
     t_1Cmm = F.interpolate(t_1CRR.float(), size=(m, m), mode="bilinear", align_corners=False)
-    return t_1Cmm[:, :, :h, :w].to(table_1QC.dtype).flatten(2)[0].t()
+    return t_1Cmm[:, :, :h, :w].to(table_1PC.dtype).flatten(2)[0].t()
 
 
-def cpe_random_crop(table_1QC, h, w, R):
+def cpe_random_crop(table_1PC, h, w, R):
     """Train-mode CPE (optional): sample a random window of the table and grid_sample it at h×w points.
     Draws from torch's default CPU generator: TP ranks must share that state (seed by data-parallel rank)
     because the ViT input is replicated over the TP group."""
-    C = table_1QC.shape[-1]
+    C = table_1PC.shape[-1]
     u = torch.rand(4).tolist()
     scale = math.sqrt(0.1) + (1 - math.sqrt(0.1)) * u[0]
     aspect = math.exp(math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * u[1])
     sx, sy = min(max(scale * aspect, 0.0), 1.0), min(max(scale / aspect, 0.0), 1.0)
     px, py = (1 - sx) * u[2], (1 - sy) * u[3]
-    dev = table_1QC.device
+    dev = table_1PC.device
     xs = torch.linspace(0, 1, w, device=dev) * sx + px
     ys = torch.linspace(0, 1, h, device=dev) * sy + py
     gy, gx = torch.meshgrid(ys, xs, indexing="ij")
     grid_1hw2 = (torch.stack([gx, gy], -1) * 2 - 1)[None]       # grid_sample wants (x, y) in [-1, 1]
-    t_1CRR = table_1QC.reshape(1, R, R, C).permute(0, 3, 1, 2).float()
+    t_1CRR = table_1PC.reshape(1, R, R, C).permute(0, 3, 1, 2).float()
     out_1Chw = F.grid_sample(t_1CRR, grid_1hw2, mode="bilinear", padding_mode="zeros", align_corners=True)
-    return out_1Chw.to(table_1QC.dtype).flatten(2)[0].t()
+    return out_1Chw.to(table_1PC.dtype).flatten(2)[0].t()
 
 
 # ---------------------------------------------------------------- attention over a packed sequence
@@ -66,7 +74,7 @@ def block_diag_mask(seqlens, device):
     return seg_S[:, None] == seg_S[None, :]
 
 
-def packed_attention(q_SHd, k_SHd, v_SHd, seqlens, mode=None):
+def packed_attention(q_SAd, k_SAd, v_SAd, seqlens, mode=None):
     """Bidirectional attention restricted to each image's segment. -> [S, H, hd].
 
     mode "mask": one SDPA call with the block-diagonal boolean mask (exact; the CPU path; O(S²) memory).
@@ -75,20 +83,20 @@ def packed_attention(q_SHd, k_SHd, v_SHd, seqlens, mode=None):
     measured on H200, torch 2.11, bf16, ViT-H heads: 2-9x faster than the masked call and than nested-jagged
     SDPA, from 1x13k to 32x266-token images (e.g. 4x4106: 4.1 ms fwd+bwd vs 32 mask / 14 NJT).
     """
-    mode = mode or ("loop" if q_SHd.is_cuda else "mask")
-    q, k, v = (t.transpose(0, 1)[None] for t in (q_SHd, k_SHd, v_SHd))   # [1, H, S, hd]: 4-D, or no flash
+    mode = mode or ("loop" if q_SAd.is_cuda else "mask")
+    q, k, v = (t.transpose(0, 1)[None] for t in (q_SAd, k_SAd, v_SAd))   # [1, A, S, d]: 4-D, or no flash
     if mode == "mask" and len(seqlens) > 1:
         mask_SS = block_diag_mask(seqlens, q.device)
-        o_1HSd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS)
+        o_1ASd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS)
     elif len(seqlens) == 1:
-        o_1HSd = F.scaled_dot_product_attention(q, k, v)
+        o_1ASd = F.scaled_dot_product_attention(q, k, v)
     else:
-        o_1HSd = torch.cat([F.scaled_dot_product_attention(qi, ki, vi) for qi, ki, vi in
+        o_1ASd = torch.cat([F.scaled_dot_product_attention(qi, ki, vi) for qi, ki, vi in
                             zip(q.split(seqlens, 2), k.split(seqlens, 2), v.split(seqlens, 2))], 2)
-    return o_1HSd[0].transpose(0, 1)
+    return o_1ASd[0].transpose(0, 1)
 
 
-# ---------------------------------------------------------------- transformer block (spec §4)
+# ---------------------------------------------------------------- transformer block (docs/vision.md §4)
 
 def _linear(n_in, n_out, bias=True):
     # No constructor init: it would draw from the RNG by LOCAL shape; reset_parameters draws full shapes instead.
@@ -100,13 +108,13 @@ class Block(nn.Module):
 
     def __init__(self, cfg, tp_group=None):
         super().__init__()
-        T = comm.group_size(tp_group)
+        tp = comm.group_size(tp_group)
         C, M = cfg.vit_hidden, cfg.vit_mlp
-        assert cfg.vit_heads % T == 0 and M % T == 0, "vision TP size must divide vit_heads and vit_mlp"
-        self.tp_group, self.heads, self.hd = tp_group, cfg.vit_heads // T, C // cfg.vit_heads
-        Cl, Ml = C // T, M // T
+        assert cfg.vit_heads % tp == 0 and M % tp == 0, "vision TP size must divide vit_heads and vit_mlp"
+        self.tp_group, self.heads, self.hd = tp_group, cfg.vit_heads // tp, C // cfg.vit_heads
+        Cl, Ml = C // tp, M // tp
         self.norm1 = nn.LayerNorm(C, eps=1e-6)
-        # Names follow timm (blocks.{i}.attn.qkv, .mlp.fc1 ...) so HF keys map 1:1 (spec §13).
+        # Names follow timm (blocks.{i}.attn.qkv, .mlp.fc1 ...) so HF keys map 1:1 (docs/vision.md §10).
         self.attn = nn.ModuleDict(dict(qkv=_linear(C, 3 * Cl), proj=_linear(Cl, C)))
         self.norm2 = nn.LayerNorm(C, eps=1e-6)
         self.mlp = nn.ModuleDict(dict(fc1=_linear(C, Ml), fc2=_linear(Ml, C)))
@@ -124,8 +132,8 @@ class Block(nn.Module):
         S, g = x_SC.shape[0], self.tp_group
         y_SC = comm.copy_to(fused.layer_norm(x_SC, self.norm1), g)
         q, k, v = self.attn.qkv(y_SC).view(S, 3, self.heads, self.hd).unbind(1)  # scale = hd^-0.5 (SDPA default)
-        o_SX = packed_attention(q, k, v, seqlens).reshape(S, self.heads * self.hd)
-        x_SC = x_SC + self.row_parallel(self.attn.proj, o_SX)
+        o_SE = packed_attention(q, k, v, seqlens).reshape(S, self.heads * self.hd)
+        x_SC = x_SC + self.row_parallel(self.attn.proj, o_SE)
         y_SC = comm.copy_to(fused.layer_norm(x_SC, self.norm2), g)
         h_SM = F.gelu(self.mlp.fc1(y_SC))                                        # exact erf GELU
         return x_SC + self.row_parallel(self.mlp.fc2, h_SM)
@@ -139,7 +147,22 @@ class Block(nn.Module):
         return comm.reduce_from(y, self.tp_group) + linear.bias
 
 
-# ---------------------------------------------------------------- pixel shuffle (spec §8)
+def rule(name, C):
+    """How tower parameter `name` (width C) is drawn, as comm.draw takes it: (full shape, generator) -> tensor."""
+    def draw(shape, gen):
+        if name in ("pos_embed", "cls_token"):
+            return torch.randn(shape, generator=gen) * C ** -0.5     # RADIO ViTPatchGenerator / ClsToken
+        if name == "embedder.weight":
+            return torch.randn(shape, generator=gen)                 # N(0, 1), as Megatron for a fresh embedder
+        if "norm" in name or name == "mlp1.0.weight":
+            return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        return torch.randn(shape, generator=gen) * INIT_STD
+    return draw
+
+
+# ---------------------------------------------------------------- pixel shuffle (docs/vision.md §6)
 
 def pixel_shuffle(x_NC, h, w):
     """InternVL v2 2x2 shuffle of one image's row-major [h*w, C] features -> [(h/2)*(w/2), 4C].
@@ -169,28 +192,14 @@ class VisionModel(nn.Module):
                                    "3": _linear(cfg.projector_hidden, cfg.hidden_size, bias=False)})
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self):
-        """Draw every parameter at its FULL shape in a fixed order and keep this rank's shard, so a TP model
-        seeded like a single-device one holds exactly comm.shard() of its weights."""
+        """Draw every parameter at its full shape from (cfg.seed + SEED, its name) on the CPU and keep this rank's
+        shard (comm.init_shard): the same weights on any layout and device, each independent of the others."""
         if self.pos_embed.is_meta:                                   # sizing only (dry run): nothing to draw
             return
         ranks, sizes = {"tp": comm.group_rank(self.tp_group)}, {"tp": comm.group_size(self.tp_group)}
-        C = self.cfg.vit_hidden
         for name, prm in self.named_parameters():
-            shards = getattr(prm, "shards", ())
-            full = comm.full_shape(prm.shape, shards, sizes)
-            if name in ("pos_embed", "cls_token"):
-                val = torch.randn(full) * C ** -0.5                   # RADIO ViTPatchGenerator / ClsToken
-            elif name == "embedder.weight":
-                val = torch.randn(full)                               # N(0, 1), as Megatron for a fresh embedder
-            elif "norm" in name or name == "mlp1.0.weight":
-                val = torch.ones(full) if name.endswith("weight") else torch.zeros(full)
-            elif name.endswith("bias"):
-                val = torch.zeros(full)
-            else:
-                val = torch.randn(full) * INIT_STD
-            prm.copy_(comm.take_shard(val, shards, ranks, sizes))
+            comm.init_shard(prm, name, self.cfg.seed + SEED, rule(name, self.cfg.vit_hidden), ranks, sizes, "cpu")
 
     def pos_enc(self, h, w):
         R = self.cfg.vit_cpe_grid
@@ -221,14 +230,14 @@ class VisionModel(nn.Module):
             x_SC = blk(x_SC, seqlens)
         return torch.cat([seg[K:] for seg in x_SC.split(seqlens)])
 
-    def project(self, x_TX):
-        """HF mlp1: RMSNorm (fp32) -> Linear -> squared ReLU -> Linear, no biases (spec §9)."""
-        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_TX))))
+    def project(self, x_QX):
+        """HF mlp1: RMSNorm (fp32 inside) -> Linear -> squared ReLU -> Linear, no biases (docs/vision.md §7)."""
+        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_QX))))
 
     def forward(self, patches, grids):
-        """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified per §3); grids: [(h_i, w_i)]
-        with even h_i, w_i. Returns [Σ h_i*w_i/4, hidden_size] in image order."""
-        if len(grids) == 0:   # text-only microbatch (its parameters get zero gradients in parallel.allreduce_grads)
+        """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified: docs/vision.md §1);
+        grids: [(h_i, w_i)] with even h_i, w_i. Returns [Σ h_i*w_i/4, hidden_size] in image order."""
+        if len(grids) == 0:   # text-only microbatch (its parameters step on zero gradients: optim.AdamW.finish)
             return self.mlp1["3"].weight.new_zeros(0, self.cfg.hidden_size)
         grids = [(int(h), int(w)) for h, w in grids]
         x_TC = self.features(patches, grids)
@@ -237,7 +246,7 @@ class VisionModel(nn.Module):
 
 
 def hf_name(key):
-    """This module's full (unsharded) state-dict key -> HF Nemotron-VL key (spec §13)."""
+    """This module's full (unsharded) state-dict key -> HF Nemotron-VL key (docs/vision.md §10)."""
     if key.startswith("mlp1."):
         return key
     special = {"embedder.weight": "patch_generator.embedder.weight", "pos_embed": "patch_generator.pos_embed",
@@ -250,7 +259,7 @@ def hf_names(keys):
     return {k: hf_name(k) for k in keys}
 
 
-# ---------------------------------------------------------------- preprocessing (spec §3, §10)
+# ---------------------------------------------------------------- preprocessing (docs/vision.md §1, §8)
 
 def normalize(img_3HW):
     """RGB in [0, 1] (or uint8) -> CLIP-normalised float. Called by the data pipeline, not the model."""
@@ -267,23 +276,23 @@ def patchify(img_3HW, p):
     return img_3HW.reshape(c, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
 
 
-def resize_patchify(img_3HW, th, tw, p):
-    """Resize to (th*p, tw*p) px with bicubic + antialias (align_corners=False), then patchify -> [th*tw, 3p²].
-    Takes any float image: resampling is linear per channel, so normalising before or after gives the same
-    result (no clamping is done). uint8 input is converted to float in [0, 1] first."""
-    img = img_3HW.float() / 255 if img_3HW.dtype == torch.uint8 else img_3HW
-    if tuple(img.shape[1:]) != (th * p, tw * p):
-        img = F.interpolate(img[None].float(), size=(th * p, tw * p), mode="bicubic", align_corners=False,
-                            antialias=True)[0].to(img.dtype)
-    return patchify(img, p)
+def resize(img_3HW, th, tw, p):
+    """An RGB image (uint8, or float in [0, 1]) -> CLIP-normalised [3, th*p, tw*p]: bicubic with antialias
+    (align_corners=False), as transformers' Omni image processor resizes. Normalising first is the same result
+    (resampling is linear per channel, nothing is clamped)."""
+    img = normalize(img_3HW)
+    if tuple(img.shape[1:]) == (th * p, tw * p):
+        return img
+    return F.interpolate(img[None], size=(th * p, tw * p), mode="bicubic", align_corners=False, antialias=True)[0]
 
 
 def grid_for(H, W, budget, min_patches, p=16):
-    """Patch grid (th, tw) for an H×W px image under `budget` patches (canonical tiler, spec §10): transformers'
-    nemotron_h_omni get_patch_grid_size, except where that one floors a thin image's short side to 0 patches (or
-    divides by 0): here every side is at least 2 patches (the pixel shuffle's minimum), as transformers gives thin
-    images under larger budgets; the grid may then exceed the budget, like transformers' does."""
-    ch, cw = round(H / p + 0.5), round(W / p + 0.5)      # Python round (half-to-even), spec §12.4
+    """Patch grid (th, tw) for an H×W px image under `budget` patches (canonical tiler, docs/vision.md §8):
+    transformers' nemotron_h_omni get_patch_grid_size, except where that one floors a thin image's short side to 0
+    patches (or divides by 0): here every side is at least 2 patches (the pixel shuffle's minimum), as
+    transformers gives thin images under larger budgets; the grid may then exceed the budget, like transformers'
+    does."""
+    ch, cw = round(H / p + 0.5), round(W / p + 0.5)      # Python round (half-to-even): docs/vision.md §8
     f = min(math.sqrt(budget / (ch * cw)), 1.0)          # never upscale here
     th, tw = max(math.floor(f * ch), 1), max(math.floor(f * cw), 1)
     if budget > min_patches and th * tw < min_patches:   # upscale small images to the minimum
@@ -310,12 +319,3 @@ def compute_params(sizes_HW, tokens_available, min_patches, max_patches, p=16):
         new = [max(min_patches, int(th * tw * B / tot)) for th, tw in grids]
         per = new if any(a < b for a, b in zip(new, per)) else [min_patches] * n
     return grids
-
-
-def preprocess(images_3HW, tokens_available, cfg):
-    """List of RGB images ([0, 1] float or uint8) -> (packed normalised patches [T, 3p²], grids [(h, w)])."""
-    p = cfg.vit_patch
-    grids = compute_params([tuple(im.shape[1:]) for im in images_3HW], tokens_available,
-                           cfg.min_num_patches, cfg.max_num_patches, p)
-    patches = [resize_patchify(normalize(im), th, tw, p) for im, (th, tw) in zip(images_3HW, grids)]
-    return torch.cat(patches) if patches else torch.zeros(0, 3 * p * p), grids

@@ -1,17 +1,18 @@
 """Train the VLM:  torchrun --nproc_per_node=N train.py --preset P [--FIELD VALUE ...]   (plain python = 1 process)
 
-One step (parallel.md §6-7), every rank running the lines of the module(s) it holds:
+One step (docs/parallel.md §7-8), every rank running the lines of the module(s) it holds:
   N_global = loss tokens of the whole step (one all-reduce)      -> per-token loss for both modules
   for each micro-batch:  vision: encode its samples, bridge.send, then the backward of the previous micro-batch
                          (1F1B: the encoder's forward m+1 overlaps the language side's work on m)
                          language: bridge.recv, place image rows, forward, backward(sum of token losses), send_grad
   vision: the last micro-batch's backward
-  reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all ranks agree)
-  AdamW step, expert-bias update, LR schedule (only after a successful step)
+  opt.finish: reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all
+  ranks agree); then AdamW step, expert-bias update, LR schedule (only after a successful step)
 
-Seeds: --seed drives everything. Samples: seed + sample index (layout-independent). Vision init: seed + 10000 on
-the global RNG; language init: seed + 20000 hashed with each parameter name (layout-independent, see model.py);
-runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by the tp ranks of a lane.
+Seeds: --seed drives everything. Samples: seed + sample index (layout-independent). Initial weights: each drawn
+by its name (comm.draw), from seed + 10000 (vision), + 20000 (language), + 40000 (LoRA adapters), so neither the
+layout nor any other parameter changes them; runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by
+the tp ranks of a lane.
 
 Code: main() = setup() (a Run record of what the parts share) -> train(): train_step() per step, evaluate() every
 --eval-every steps, logs.py for what the user sees. User errors raise SystemExit(message); the command line (cli)
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import comm
 import config
 import data
 import failsafe
@@ -147,7 +149,7 @@ class Run:
     own_group: bool                      # we created the process group (tests call main() inside one)
     vision: VisionModel = None
     lm: model.LanguageModel = None
-    opt: torch.optim.Optimizer = None
+    opt: optim.AdamW = None
     tokenizer: object = None             # data.load_tokenizer's (a checkpoint saves a copy)
     train_data: object = None
     train_loader: data.Loader = None
@@ -206,7 +208,6 @@ def setup(cfg, inv, lay, start, device):
     run = Run(cfg, start, lay, par, device, par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0,
               own_group)
     if par.in_vision:
-        torch.manual_seed(cfg.seed + 10000)
         run.vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
@@ -242,7 +243,7 @@ def setup(cfg, inv, lay, start, device):
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
-        run.counters = parallel.on_every_rank(  # one rank's error (its rank json) ends every rank
+        run.counters = comm.on_every_rank(  # one rank's error (its rank json) ends every rank
             resume.call, checkpoint.load, start.load, par, run.modules, run.opt, cfg, run.train_loader,
             finetune=start.weights_only, load_optim=not (inv.no_load_optim or inv.eval_only),
             load_rng=not inv.no_load_rng)
@@ -299,6 +300,17 @@ def microbatch(run, ds, first, train):
     return loss_sum
 
 
+def global_token_count(par, local_tokens):
+    """N_global: loss-mask tokens over all language lanes and micro-batches of the step, known on every rank.
+    `local_tokens` is this language lane's count (anything on vision-only ranks): only a lane's tp-0 / cp-0 /
+    last-pp rank contributes, and one SUM over WORLD makes the total known on both grids (colocated too)."""
+    m = par.lm
+    lead = m is not None and m.tp_rank == 0 and m.cp_rank == 0 and m.pp_rank == m.pp_size - 1
+    t = torch.tensor([int(local_tokens) if lead else 0], dtype=torch.int64, device=comm.device())
+    dist.all_reduce(t)
+    return int(t.item())
+
+
 def lane_tokens(run, ds, first_sample, n_micro):
     """Loss tokens of this language lane's samples in n_micro micro-batches from first_sample (0 off language)."""
     if run.lm is None:
@@ -319,15 +331,15 @@ def train_step(run, step, stop):
     agreeing at micro-batch boundaries) abandoned it; updates run.counters."""
     cfg, lay, lm, c = run.cfg, run.lay, run.lm, run.counters
     t0 = time.perf_counter()
-    rng = failsafe.rng_state()
+    rng = checkpoint.rng_state()
     lr = learning_rate(cfg, c["good_steps"], c["good_steps"] * cfg.global_batch)  # skipped steps advance neither
-    for g in run.opt.param_groups if run.opt is not None else ():
+    for g in run.opt.param_groups:
         g["lr"] = lr
     base, n_micro = step * cfg.global_batch, lay.num_microbatches
     batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
     if isinstance(run.train_data, failsafe.SkipBad):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
-    n_global = parallel.global_token_count(run.par, lane_tokens(run, batch, base, n_micro))
+    n_global = global_token_count(run.par, lane_tokens(run, batch, base, n_micro))
     if lm is not None:
         moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
     loss_sum = torch.zeros((), device=run.device)
@@ -339,17 +351,14 @@ def train_step(run, step, stop):
         if lm is None and stop():
             break
     if stop.agreed:
-        failsafe.abandon_step(run.bridge, run.modules, run.train_loader, base, rng)
+        failsafe.abandon_step(run.bridge, run.modules, run.opt, run.train_loader, base, rng)
         return None
     while run.bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
         run.bridge.backward_encoder()
-    vparams = list(run.vision.parameters()) if run.vision is not None else []
-    lparams = list(lm.parameters()) if lm is not None else []
-    norm, ok = parallel.finalize_gradients(run.par, vparams, lparams, n_global, cfg.clip_grad, run.opt)
+    norm, ok = run.opt.finish(n_global, cfg.clip_grad)   # reduce, norm, divide, clip; or all ranks skip
     run.expert_counts = None
     if ok:
-        if run.opt is not None:
-            run.opt.step()
+        run.opt.step()
         if lm is not None:
             # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
             rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
@@ -361,8 +370,7 @@ def train_step(run, step, stop):
             moe.discard_expert_counts(lm)
     c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
-    if run.opt is not None:
-        run.opt.zero_grad(set_to_none=True)
+    run.opt.zero_grad()
     loss = reduce_loss(run, loss_sum) / max(n_global, 1)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
@@ -384,7 +392,7 @@ def evaluate(run):
             tokens += lane_tokens(run, batch, first, 1)
     for m in run.modules.values():
         m.train()
-    n = parallel.global_token_count(run.par, tokens)
+    n = global_token_count(run.par, tokens)
     loss = reduce_loss(run, total) / max(n, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
             "eval_samples": run.eval_set.n}
@@ -396,7 +404,7 @@ def step_record(run, h, log):
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
     h["model_flops"] = sum(f for _, f in per_rank)
-    h["tokens"] = tokens = parallel.global_token_count(run.par, run.real_tokens)
+    h["tokens"] = tokens = global_token_count(run.par, run.real_tokens)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],

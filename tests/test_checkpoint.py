@@ -36,14 +36,14 @@ def _train(rank, world, argv, sigterm_at_step=None):
     """train.main in a gloo child -> (losses, {full name: tensor}). sigterm_at_step: rank 0 gets SIGTERM during
     that step (after its backward), so every rank stops after it and saves."""
     if sigterm_at_step and rank == 0:
-        finalize, calls = parallel.finalize_gradients, []
+        finish, calls = optim.AdamW.finish, []
 
-        def finalize_then_signal(*a, **k):
+        def finish_then_signal(*a, **k):
             calls.append(1)
             if len(calls) == sigterm_at_step:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return finalize(*a, **k)
-        parallel.finalize_gradients = finalize_then_signal
+            return finish(*a, **k)
+        optim.AdamW.finish = finish_then_signal   # this forked child only
     history, modules = train.main(argv)
     return [h["loss"] for h in history], {f"{k}.{n}": t.detach().clone() for k, m in modules.items()
                                           for n, t in m.state_dict().items()}
@@ -144,11 +144,12 @@ def _load_one_process(rank, world, path, stage):
     par = parallel.setup(layout.plan(dataclasses.replace(cfg, global_batch=4), 1), cfg)
     modules = {"vision": radio.VisionModel(cfg), "language": model.LanguageModel(cfg)}
     model.set_trainable(modules, stage)
-    opt = optim.plain(modules.values(), cfg.lr, cfg.weight_decay, torch.device("cpu"))
+    opt = optim.build(par, modules["vision"], modules["language"], dataclasses.replace(
+        cfg, distributed_optimizer=False), torch.device("cpu"))
     counters = checkpoint.load(path, par, modules, opt, cfg)
     names = {id(p): f"{k}.{n}" for k, m in modules.items() for n, p in m.named_parameters()}
     return (counters, {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()},
-            {names[id(p)]: s for p, s in opt.state.items()})
+            {names[i]: s for i, s in opt.gather_state().items() if s["step"] > 0})   # state: AdamW stepped it
 
 
 @pytest.fixture(scope="module")

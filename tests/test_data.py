@@ -85,7 +85,7 @@ def test_chat_line_exact(chat_file):
     assert s.input_ids.tolist() == padded(ids, PAD)
     assert s.labels.tolist() == padded(labels_from(ids, targets), -100)
     assert s.seq_idx is None
-    (img,) = s.images                                  # 48 x 64 px -> grid 4 x 4 (spec §10 rounding) -> 64 x 64
+    (img,) = s.images                                  # 48 x 64 px -> grid 4 x 4 (docs/vision.md §8 rounding) -> 64 x 64
     assert img.shape == (3, 64, 64)
     red = radio.normalize(torch.tensor([255, 0, 0], dtype=torch.uint8)[:, None, None])
     assert torch.allclose(img, red.expand(3, 64, 64), atol=1e-4)

@@ -21,7 +21,7 @@ import config
 import data
 import formats
 import logs
-import parallel
+import optim
 import radio
 import train
 from tests.spawn import run_distributed
@@ -321,21 +321,21 @@ def _build(path, cfg, verbose=True, **kw):
 
 def _inf_from_step(rank, world, argv, first_bad):
     """Every gradient is inf from optimizer step `first_bad` on."""
-    finalize, calls = parallel.finalize_gradients, []
+    finish, calls = optim.AdamW.finish, []
 
-    def poisoned(par, vparams, lparams, *a, **k):
+    def poisoned(opt, *a, **k):
         calls.append(1)
         if len(calls) >= first_bad:
-            for p in list(vparams) + list(lparams):
+            for p in opt.params():
                 for g in (p.grad, getattr(p, "main_grad", None)):   # main_grad: optim.py's fp32 accumulator
                     if g is not None:
                         g.fill_(float("inf"))
-        return finalize(par, vparams, lparams, *a, **k)
-    parallel.finalize_gradients = poisoned
+        return finish(opt, *a, **k)
+    optim.AdamW.finish = poisoned
     try:
         return _train(rank, world, argv)
     finally:
-        parallel.finalize_gradients = finalize
+        optim.AdamW.finish = finish
 
 
 def test_non_finite_steps_abort_after_max_skipped_steps(tmp_path):

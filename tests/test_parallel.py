@@ -1,8 +1,8 @@
-"""Spec parallel.md §9 invariants for parallel.py: pure enumeration tests first, then gloo multi-process tests."""
+"""The rules of docs/parallel.md for layout.py, parallel.py and bridge.py: pure enumeration tests first, then gloo
+multi-process tests."""
 import dataclasses
 import itertools
 import math
-import zlib
 
 import pytest
 import torch
@@ -10,12 +10,9 @@ import torch.distributed as dist
 
 import config
 import layout
-from comm import mark_shard, shard
 from bridge import Bridge, bridge_links
 from layout import Layout, check_layout
-from parallel import (Grid, allreduce_grads, expert_grid, finalize_gradients, global_grad_norm,
-                      global_token_count, lane_samples, lanes, lm_grid, reduce_gradients, setup,
-                      vision_grid)
+from parallel import Grid, expert_grid, lane_samples, lanes, lm_grid, setup, vision_grid
 from tests.spawn import run_distributed
 
 BIG = config.Config()                       # 32 heads, 8 KV heads, 64 Mamba heads, 8 groups, 128 experts
@@ -50,7 +47,7 @@ def colocated(tp, dp, ep=1, etp=1, mbs=1):
     return Layout(tp * dp, True, tp, dp, tp, dp, ep, etp, mbs, mbs * dp * 3)
 
 
-# ---------------------------------------------------------------- reference: Megatron's RankGenerator (spec §2.2)
+# ---------------------------------------------------------------- reference: Megatron's RankGenerator (docs/parallel.md §2)
 
 def rank_generator(order, sizes, mask, offset=0):
     """generate_masked_orthogonal_rank_groups as the spec describes it: prefix-product strides over `order`
@@ -78,7 +75,7 @@ def expert_generator(etp, ep, edp, pp, offset, dims):
     return rank_generator(["tp", "cp", "ep", "dp", "pp"], sizes, {names[d] for d in dims.split("-")}, offset)
 
 
-# ---------------------------------------------------------------- worked examples (§2.3, §3)
+# ---------------------------------------------------------------- worked examples (docs/parallel.md §2-4)
 
 def test_worked_example_a():
     base = Grid({"tp": 2, "cp": 1, "dp": 2, "pp": 2})
@@ -109,7 +106,7 @@ def test_worked_example_b():
     for etp, grid in ((1, ex), (2, ex2)):   # both equal RankGenerator(tp=etp, ep=16, dp=edp, rank_offset=8)
         for dims in ("ep", "etp", "edp", "etp-ep", "etp-ep-pp"):
             assert grid.groups(dims) == expert_generator(etp, 16, 64 // (16 * etp), 1, 8, dims), dims
-    # bridge (§5.3): encoder e feeds language leaders 8 + 2*(4e .. 4e+3)
+    # bridge (docs/parallel.md §6): encoder e feeds language leaders 8 + 2*(4e .. 4e+3)
     links = bridge_links(lay)
     assert [ln.src_leader for ln in links if ln.dst_leader in (8, 10, 12, 14)] == [0, 0, 0, 0]
     assert [ln.dst_leader for ln in links if ln.src_leader == 7] == [64, 66, 68, 70]
@@ -135,7 +132,7 @@ def test_canonical_order():
 
 
 def test_leaders_match_upstream_table():
-    """§5.1 table (upstream grid order tp, cp, pp, dp), and the first row under this project's order."""
+    """Lanes and leaders, docs/parallel.md §6 (upstream grid order tp, cp, pp, dp), and the first row under this project's order."""
     for tp, pp, dp, src, dst, src_b, dst_b in [
             (2, 2, 2, [3, 7], [0, 4], [[2, 3], [6, 7]], [[0, 1], [4, 5]]),
             (4, 2, 1, [7], [0], [[4, 5, 6, 7]], [[0, 1, 2, 3]]),
@@ -150,7 +147,7 @@ def test_leaders_match_upstream_table():
     assert [lane[-1] for lane in lanes(g)] == [5, 7] and [lane[0] for lane in lanes(g)] == [0, 2]
 
 
-# ---------------------------------------------------------------- grid invariants (§9.1-5)
+# ---------------------------------------------------------------- grid invariants (docs/parallel.md §2-4)
 
 LAYOUTS = [hetero(1, 8, 2, 32, ep=16), hetero(1, 8, 2, 32, ep=16, etp=2), hetero(2, 2, 2, 2, ep=2),
            hetero(1, 4, 2, 2, ep=4, mbs=2), colocated(2, 4, ep=2, etp=2), colocated(1, 4, ep=4)]
@@ -195,7 +192,7 @@ def test_grid_invariants(lay):
         assert set(group_of(ex, "etp-ep-pp", r)) & set(group_of(ex, "edp", r)) == {r}
 
 
-# ---------------------------------------------------------------- comm map (§9.9) and sample ownership
+# ---------------------------------------------------------------- comm map (docs/parallel.md §6) and sample ownership
 
 @pytest.mark.parametrize("lay", [hetero(1, 8, 2, 32), hetero(2, 1, 2, 2, mbs=2), hetero(1, 4, 2, 2, mbs=2),
                                  hetero(2, 2, 1, 2), hetero(1, 4, 4, 1, mbs=4), hetero(2, 2, 2, 1, mbs=2)],
@@ -230,7 +227,7 @@ def test_comm_map_balance(lay):
     assert lay.vision_micro_batch * S == lay.micro_batch * D
 
 
-# ---------------------------------------------------------------- validation (D2) and layout choice
+# ---------------------------------------------------------------- validation (docs/parallel.md §1) and layout choice
 
 def test_validation_messages():
     with pytest.raises(SystemExit) as e:
@@ -290,7 +287,7 @@ def test_plan_layout(monkeypatch):
         plan_layout(ref, 8, 1, 4, vision_dp=2, lm_dp=4, lm_tp=2)
 
 
-# ---------------------------------------------------------------- distributed: setup (§4.1, §9.7)
+# ---------------------------------------------------------------- distributed: setup (docs/parallel.md §5)
 
 def _members(group, world):
     """The global ranks of `group`, measured by a real collective on it."""
@@ -349,7 +346,7 @@ def test_setup_groups():
     assert results[3][1][1] == "vision tp1/2 dp1/4 | lm tp1/2 dp1/4 ep1/2 etp1/2 edp0/2 rank3"
 
 
-# ---------------------------------------------------------------- distributed: bridge (§9.10-13)
+# ---------------------------------------------------------------- distributed: bridge (docs/parallel.md §6)
 
 HIDDEN = 4
 
@@ -450,105 +447,3 @@ def test_bridge_world6():
 def test_bridge_world8():
     layouts = [hetero(1, 4, 2, 2, mbs=2)]      # fan-in k=2, uneven rows per source lane
     assert len(run_distributed(_check_bridge, 8, layouts)) == 8
-
-
-# ---------------------------------------------------------------- distributed: gradients, norm, tokens, consensus
-
-def _full(name, replica, shape):
-    """A deterministic 'full' gradient contribution of one data-parallel replica."""
-    seed = zlib.crc32(name.encode()) + replica
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _make_params(par, lay):
-    """Fake module parameters whose local grads are this rank's slice of its replica's full gradient. Returns
-    (vision params, lm params, {param: expected grad after the dp reduction})."""
-    vision, lm, expected = [], [], {}
-    specs = []
-    if par.in_vision:
-        m = par.vision
-        specs += [("v_tp", m, (4, 3), [("tp", 0, None)], lay.vision_dp, vision),
-                  ("v_rep", m, (5,), [], lay.vision_dp, vision)]
-    if par.in_lm:
-        m = par.lm
-        expert_shards = [("ep", 0, None)] + ([("etp", 1, None)] if lay.lm_etp > 1 else [])
-        specs += [("l_tp", m, (4, 2), [("tp", 1, None)], lay.lm_dp, lm),
-                  ("l_rep", m, (3,), [], lay.lm_dp, lm),
-                  ("l_exp", m, (8, 4), expert_shards, lay.lm_edp, lm),
-                  ("l_exp_rep", m, (8,), [("ep", 0, None)], lay.lm_edp, lm)]    # per-expert, replicated over etp
-    for name, m, shape, shards, n_rep, params in specs:
-        expert = any(s[0] == "ep" for s in shards)
-        replica = m.edp_rank if expert else m.dp_rank
-
-        def local(t):
-            for kind, dim, _ in shards:
-                rank, size = {"tp": (m.tp_rank, m.tp_size), "ep": (m.ep_rank, m.ep_size),
-                              "etp": (m.etp_rank, m.etp_size)}[kind]
-                t = shard(t, dim, rank, size)
-            return t
-
-        total = sum(_full(name, r, shape) for r in range(n_rep))
-        p = mark_shard(torch.nn.Parameter(torch.zeros(local(total).shape)), *shards) if shards else \
-            torch.nn.Parameter(torch.zeros(shape))
-        p.grad = local(_full(name, replica, shape)).clone()
-        expected[p] = local(total)
-        params.append(p)
-    return vision, lm, expected
-
-
-def _check_grads(rank, world):
-    out = []
-    for lay in (hetero(2, 2, 2, 2, ep=2), colocated(2, 4, ep=2, etp=2)):
-        par = setup(lay, TINY)
-        vision, lm, expected = _make_params(par, lay)
-        # single-process reference: the norm of the full reduced gradients of both modules, from the seeds alone
-        norm2 = sum(sum(_full(n, r, s) for r in range(k)).double().pow(2).sum().item() for n, s, k in
-                    (("v_tp", (4, 3), lay.vision_dp), ("v_rep", (5,), lay.vision_dp), ("l_tp", (4, 2), lay.lm_dp),
-                     ("l_rep", (3,), lay.lm_dp), ("l_exp", (8, 4), lay.lm_edp), ("l_exp_rep", (8,), lay.lm_edp)))
-        reduce_gradients(par, vision, lm, bucket_bytes=16)          # tiny buckets: several all-reduces
-        for p in vision + lm:
-            assert_close(p.grad, expected[p])
-        norm = global_grad_norm(par, vision, lm)
-        assert abs(norm - math.sqrt(norm2)) < 1e-5 * math.sqrt(norm2), (norm, math.sqrt(norm2))
-
-        # token count: each language lane counts once; vision-only ranks pass garbage that must be ignored
-        lanes_tokens = {d: 10 + 7 * d for d in range(lay.lm_dp)}
-        local = lanes_tokens[par.lm.dp_rank] if par.in_lm else 999
-        n_global = global_token_count(par, local)
-        assert n_global == sum(lanes_tokens.values())
-
-        # the whole step: reduce, divide by N_global, norm, clip to half
-        vision, lm, expected = _make_params(par, lay)
-        target = 0.5 * math.sqrt(norm2) / n_global
-        norm, ok = finalize_gradients(par, vision, lm, n_global, max_norm=target)
-        assert ok and abs(norm - math.sqrt(norm2) / n_global) < 1e-5 * norm
-        for p in vision + lm:
-            assert_close(p.grad, expected[p] / n_global * (target / (norm + 1e-6)))
-        clipped = global_grad_norm(par, vision, lm)
-        assert abs(clipped - target) < 1e-5 * target
-
-        # consensus: an inf on ONE vision rank, in a replicated copy the norm does not count (tp rank 1)
-        vision, lm, _ = _make_params(par, lay)
-        if par.in_vision and par.vision.tp_rank == 1 and par.vision.dp_rank == 1:
-            vision[1].grad[0] = float("inf")
-        norm_inf, ok_inf = finalize_gradients(par, vision, lm, n_global, max_norm=1.0)
-        assert not ok_inf and math.isnan(norm_inf)
-        assert all(p.grad is None for p in vision + lm)
-        out.append((norm, clipped, ok, ok_inf, n_global))
-    return out
-
-
-def test_gradients_norm_tokens_consensus():
-    results = run_distributed(_check_grads, 8)
-    for i in range(2):       # identical on every rank of both grids
-        assert len({(r[i][0], r[i][1], r[i][2], r[i][3], r[i][4]) for r in results}) == 1, [r[i] for r in results]
-
-
-def test_missing_gradients_become_zeros_without_a_group_too():
-    """A parameter no token reached steps like one with a zero gradient on every layout, dp = 1 included."""
-    used, unused, frozen = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
-    frozen.requires_grad_(False)
-    used.grad = torch.full((3,), 2.0)
-    allreduce_grads([used, unused, frozen], None)
-    assert torch.equal(used.grad, torch.full((3,), 2.0)) and torch.equal(unused.grad, torch.zeros(3))
-    assert frozen.grad is None

@@ -56,7 +56,7 @@ def test_omni_adapters_equal_merged_export(imported, tmp_path):
     d, cfg, sd = imported
     cfg, sd = with_adapters(cfg, sd, EVERY)
     hf_interop.export_hf(cfg, lora.merge(sd, cfg.lora_alpha), tmp_path / "merged")
-    hf_peft.save_peft(sd, cfg, tmp_path / "peft", base_model=str(d))
+    hf_peft.save_peft(sd, cfg, tmp_path / "peft", hf_interop.OMNI_LM, base_model=str(d))
     written = json.loads((tmp_path / "peft" / hf_peft.CONFIG_NAME).read_text())
     assert written["target_parameters"] == [f"language_model.model.layers.{i}.mixer.experts.{p}_proj"
                                             for i in (2, 5) for p in ("down", "up")]
@@ -77,12 +77,12 @@ def test_language_only_adapters_equal_merged_export(imported, tmp_path):
     _, cfg, base_sd = imported
     with pytest.raises(ValueError, match=r"PEFT refuses LoRA on a nemotron_h model's Mamba out_proj .*N in 0, 3\): "
                                          "export the whole VLM"):
-        hf_peft.save_peft(with_adapters(cfg, base_sd, EVERY)[1], cfg, tmp_path / "refused", omni=False)
+        hf_peft.save_peft(with_adapters(cfg, base_sd, EVERY)[1], cfg, tmp_path / "refused", "")
     cfg, sd = with_adapters(cfg, base_sd, EVERY.replace("|out_proj", ""), seed=1)
     lm = lambda s: {k: v for k, v in s.items() if k.startswith("language.")}   # noqa: E731
     hf_interop.export_hf(cfg, lm(base_sd), tmp_path / "base")
     hf_interop.export_hf(cfg, lora.merge(lm(sd), cfg.lora_alpha), tmp_path / "merged")
-    hf_peft.save_peft(sd, cfg, tmp_path / "peft", omni=False)
+    hf_peft.save_peft(sd, cfg, tmp_path / "peft", "")
     assert not any("vision" in k or "projector" in k for k in load_file(tmp_path / "peft" / hf_peft.WEIGHTS_NAME))
     cls = transformers.NemotronHForCausalLM
     ids = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -98,7 +98,7 @@ def test_no_adapters_refused(imported, tmp_path):
     _, cfg, sd = imported
     with pytest.raises(ValueError, match=r"^the checkpoint has no LoRA adapters \(--lora-rank 0\): export the full "
                                          r"model with export-hf without --adapters-only$"):
-        hf_peft.save_peft(sd, cfg, tmp_path)
+        hf_peft.save_peft(sd, cfg, tmp_path, hf_interop.OMNI_LM)
     _, with_vision = with_adapters(cfg, sd, r"mlp1\.(1|3)$")
     with pytest.raises(ValueError, match="no LoRA adapters in the language model"):
-        hf_peft.save_peft(with_vision, cfg, tmp_path, omni=False)
+        hf_peft.save_peft(with_vision, cfg, tmp_path, "")

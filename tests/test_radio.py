@@ -2,6 +2,7 @@ import math
 import os
 import socket
 import sys
+import types
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import comm  # noqa: E402
 import config  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import radio  # noqa: E402
+from tests.spawn import run_distributed  # noqa: E402
 
 P = 16
 
@@ -56,7 +59,7 @@ def test_packed_equals_each_image_alone():
 
 
 def test_fixed_path_reference():
-    """Packed forward of one image == a direct transcription of spec §4/§6 with plain tensors."""
+    """Packed forward of one image == a direct transcription of docs/vision.md §4-5 with plain tensors."""
     torch.manual_seed(1)
     cfg = tiny_cfg()
     m = radio.VisionModel(cfg).eval()
@@ -143,14 +146,20 @@ def test_token_budget_examples():
     assert radio.compute_params([(1080, 1920)], 100000, mn, mx) == [(68, 120)]
     grids = radio.compute_params([(1080, 1920), (2048, 2048)], 2048, mn, mx)   # shared budget 8192 patches
     assert sum(h * w for h, w in grids) <= 8192 and all(h % 2 == 0 and w % 2 == 0 for h, w in grids)
-    # end to end: preprocess resizes to the grid and normalises
-    cfg = tiny_cfg()
-    img = torch.rand(3, 50, 70)
-    patches, grids = radio.preprocess([img], 1000, cfg)
-    assert grids == [radio.grid_for(50, 70, cfg.max_num_patches, cfg.min_num_patches)] == [(4, 6)]
-    assert patches.shape == (24, 3 * P * P)
-    resized = F.interpolate(img[None], size=(64, 96), mode="bicubic", align_corners=False, antialias=True)[0]
-    torch.testing.assert_close(patches, radio.patchify(radio.normalize(resized), P), atol=1e-5, rtol=1e-5)
+
+
+
+def test_resize_by_hand():
+    """radio.resize, the one resize training uses (data.Encoder; against transformers' processor: test_hf_omni's
+    test_processor_parity, where torchvision is installed). By hand: at its size an image is only normalised; a
+    2 x 2 image down to one pixel is its mean (the antialiased bicubic kernel spans the four pixels, symmetric)."""
+    u8 = torch.tensor([[[0, 255], [255, 0]], [[10, 20], [30, 40]], [[255, 255], [255, 255]]], dtype=torch.uint8)
+    assert torch.equal(radio.resize(u8, 2, 2, 1), radio.normalize(u8))
+    mean = torch.tensor([127.5, 25.0, 255.0]).view(3, 1, 1) / 255
+    torch.testing.assert_close(radio.resize(u8, 1, 1, 1), (mean - torch.tensor(radio.CLIP_MEAN).view(3, 1, 1)) /
+                               torch.tensor(radio.CLIP_STD).view(3, 1, 1), atol=1e-6, rtol=0)
+    big = radio.resize(torch.rand(3, 50, 70), 4, 6, P)   # any size to the grid's
+    assert big.shape == (3, 4 * P, 6 * P) and radio.patchify(big, P).shape == (24, 3 * P * P)
 
 
 def test_patchify_and_normalize():
@@ -168,13 +177,31 @@ def test_patchify_and_normalize():
     assert torch.equal(radio.normalize(torch.full((3, 1, 1), 255, dtype=torch.uint8)), white[:, :1, :1])
 
 
+def _reduced_grads(rank, world, m):
+    """The gradients the optimizer's finish reduces for module m's parameters (as the tower of one vision rank)."""
+    opt = optim.build(types.SimpleNamespace(vision=parallel.ModuleGroups("vision"), lm=None), m, None,
+                      config.Config(), torch.device("cpu"))
+    opt.finish(1, 0.0)
+    return [g for b in opt.buckets for g in b.split(b.main.grad).values()]
+
+
+def test_init_by_name():
+    """Every tower weight is drawn from (seed, its name), comm.draw: a deeper tower (more parameters, drawn before
+    the projector's) changes no other parameter's initial value; another seed changes every random one."""
+    a = dict(radio.VisionModel(tiny_cfg()).named_parameters())
+    b = dict(radio.VisionModel(tiny_cfg(vit_depth=3)).named_parameters())
+    assert set(a) < set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    c = dict(radio.VisionModel(tiny_cfg(seed=7)).named_parameters())
+    assert all(not torch.equal(a[k], c[k]) for k in a if a[k].unique().numel() > 1)
+
+
 def test_zero_images_and_hf_names():
     cfg = tiny_cfg()
     m = radio.VisionModel(cfg)
     out = m(torch.zeros(0, 3 * P * P), [])
     assert out.shape == (0, cfg.hidden_size)
-    parallel.allreduce_grads(m.parameters(), None)   # the step's reduction: a text-only encoder gets zero gradients
-    assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in m.parameters())
+    (grads,) = run_distributed(_reduced_grads, 1, m)   # the step's reduction: a text-only encoder gets zero gradients
+    assert len(grads) == len(list(m.parameters())) and all(g.abs().sum() == 0 for g in grads)
     names = radio.hf_names(m.state_dict())
     assert names["embedder.weight"] == "vision_model.radio_model.model.patch_generator.embedder.weight"
     assert names["pos_embed"] == "vision_model.radio_model.model.patch_generator.pos_embed"

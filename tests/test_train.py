@@ -1,4 +1,4 @@
-"""train.py end to end on gloo (spec parallel.md §6-7, §9): learning, determinism, reference equivalence of hetero /
+"""train.py end to end on gloo (docs/parallel.md §7-8): learning, determinism, reference equivalence of hetero /
 colocated / tp / ep layouts against one process, text-only mixing, LR schedules, skip-on-inf, step consensus,
 layout errors and the dry run. Every distributed run is a forked gloo group (tests/spawn.py) calling train.main.
 """
@@ -19,6 +19,7 @@ import data
 import mock
 import memory
 import model
+import optim
 import parallel
 import train
 from tests.spawn import run_distributed
@@ -63,25 +64,22 @@ def full_state(modules, grads=None):
 
 def _train(rank, world, argv):
     """train.main in this gloo child -> (history, full weights after the run, full gradients of the last step as
-    finalize_gradients left them: DP-reduced, divided by N_global, clipped)."""
+    the optimizer's finish left them: DP-reduced, divided by N_global, clipped)."""
     grads = {}
-    real = parallel.finalize_gradients
+    real = optim.AdamW.finish
 
-    def spy(par, vparams, lparams, n_global, max_norm, opt=None):
-        norm, ok = real(par, vparams, lparams, n_global, max_norm, opt)
+    def spy(opt, n_global, max_norm):
+        norm, ok = real(opt, n_global, max_norm)
         grads.clear()
-        if hasattr(opt, "buckets"):   # the distributed optimizer's fp32 shards, all-gathered
-            for b in opt.buckets if ok else ():
-                grads.update({k: g.clone() for k, g in b.split(b.gather(b.main.grad)).items()})
-        else:
-            grads.update({id(p): p.grad.detach().clone() for p in list(vparams) + list(lparams) if p.grad is not None})
+        for b in opt.buckets if ok else ():   # the optimizer's fp32 shards, all-gathered
+            grads.update({k: g.clone() for k, g in b.split(b.gather(b.main.grad)).items()})
         return norm, ok
 
-    parallel.finalize_gradients = spy      # this forked child only
+    optim.AdamW.finish = spy      # this forked child only
     try:
         history, modules = train.main(list(argv))
     finally:
-        parallel.finalize_gradients = real
+        optim.AdamW.finish = real
     return history, full_state(modules), full_state(modules, grads)
 
 
@@ -112,7 +110,7 @@ def assert_covers(results, ref):
 
 def assert_step_matches(results, reference, where):
     """Loss, grad norm, reduced + normalised + clipped gradients, updated weights and expert biases of one step
-    on every rank == the world-1 run's (§9.15, §9.16, §9.18)."""
+    on every rank == the world-1 run's (docs/parallel.md §8)."""
     ref_hist, ref_state, ref_grads = reference
     assert_covers(results, ref_state)
     (r,) = ref_hist
@@ -171,7 +169,7 @@ def test_tiny_hetero_learns_is_deterministic_and_matches_one_process():
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (first, ref)
 
 
-# ---------------------------------------------------------------- 2. reference equivalence (§9.15, §9.16)
+# ---------------------------------------------------------------- 2. reference equivalence
 
 LAYOUTS = {  # name: (world, grid flags, language ranks)
     "hetero v-dp2 + lm-tp2-dp2": (6, ["--vision-dp", "2", "--lm-tp", "2", "--lm-dp", "2"], 4),
@@ -191,7 +189,7 @@ def test_one_step_matches_one_process(name, reference):
     assert_step_matches(results, reference, name)
 
 
-# ---------------------------------------------------------------- 3. text-only samples: 0-row payloads (§5.6, §9.13)
+# ---------------------------------------------------------------- 3. text-only samples: 0-row payloads (docs/parallel.md §6)
 
 def test_text_only_mixing_matches_one_process():
     """Seed 15, half text-only: samples 0-3 are [text, text, image, text]. Global micro-batch 0 is text only (both
@@ -271,38 +269,37 @@ def test_sample_based_schedule():
 # ---------------------------------------------------------------- 5. a skipped step changes nothing
 
 def _train_with_snapshots(rank, world, argv):
-    """train.main, with every parameter of this rank recorded as it enters each step's finalize_gradients."""
+    """train.main, with every trained parameter of this rank recorded as it enters each step's finish."""
     snapshots = []
-    real = parallel.finalize_gradients
+    real = optim.AdamW.finish
 
-    def spy(par, vparams, lparams, *args, **kwargs):
-        snapshots.append(torch.cat([p.detach().reshape(-1).clone() for p in list(vparams) + list(lparams)]))
-        return real(par, vparams, lparams, *args, **kwargs)
+    def spy(opt, *args, **kwargs):
+        snapshots.append(torch.cat([p.detach().reshape(-1).clone() for p in opt.params()]))
+        return real(opt, *args, **kwargs)
 
-    parallel.finalize_gradients = spy
+    optim.AdamW.finish = spy
     try:
         history, _ = train.main(list(argv))
     finally:
-        parallel.finalize_gradients = real
+        optim.AdamW.finish = real
     return history, snapshots
 
 
 @pytest.mark.parametrize("schedule", [["--lr-decay-iters", "4"], ["--train-samples", "16"]], ids=["iters", "samples"])
 def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
-    """finalize_gradients reports inf on step 2 (on every rank, as the real one would): the step is skipped, its
-    weights and AdamW state are untouched and the LR schedule does not advance (§7.2, D5)."""
-    real, calls = parallel.finalize_gradients, []
+    """The optimizer's finish reports inf on step 2 (on every rank, as the real one would): the step is skipped,
+    its weights and AdamW state are untouched and the LR schedule does not advance (docs/parallel.md §8)."""
+    real, calls = optim.AdamW.finish, []
 
-    def overflow_on_step_2(par, vparams, lparams, *args, **kwargs):
-        norm, ok = real(par, vparams, lparams, *args, **kwargs)   # the real collectives, every rank
+    def overflow_on_step_2(opt, *args, **kwargs):
+        norm, ok = real(opt, *args, **kwargs)   # the real collectives, every rank
         calls.append(1)
         if len(calls) == 2:
-            for p in list(vparams) + list(lparams):
-                p.grad = None
+            opt.zero_grad()
             return float("nan"), False
         return norm, ok
 
-    monkeypatch.setattr(parallel, "finalize_gradients", overflow_on_step_2)   # inherited by the forked children
+    monkeypatch.setattr(optim.AdamW, "finish", overflow_on_step_2)   # inherited by the forked children
     argv = ["--preset", "tiny", "--steps", "4", "--global-batch", str(GB), "--lr", "1e-3", "--min-lr", "0",
             "--lr-schedule", "cosine", "--vision-dp", "1", "--lm-dp", "2"] + schedule
     results = run_distributed(_train_with_snapshots, 3, argv, timeout=60.0)
@@ -323,7 +320,7 @@ def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
 
 def _train_with_inf_on_vision_rank_1(rank, world, argv):
     """A hook on vision rank 1's projector weight turns its gradient into inf in step 2 (its 3rd and 4th backward:
-    two micro-batches a step). Every rank of both grids must skip that step, and nobody hangs (§9.19)."""
+    two micro-batches a step). Every rank of both grids must skip that step, and nobody hangs."""
     real = model.set_trainable
     seen = []
 

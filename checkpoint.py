@@ -272,6 +272,8 @@ class Saver:
         dist.all_gather_object(reports, (result.get("error"), result.get("manifest", {}), specs))
         errors = [e for e, _, _ in reports if e]
         if errors:
+            if self.rank == 0:   # what was written of it would only fill the disk: nothing reads a step without meta
+                shutil.rmtree(step_dir, ignore_errors=True)
             kept = _read_latest(self.root)
             kept = f"`latest` stays {kept}" if kept else "no checkpoint was saved before it"
             raise SystemExit(f"checkpoint {step_dir} FAILED ({'; '.join(errors)}); {kept}. Free space or fix the "
@@ -506,10 +508,12 @@ def check_tensors(state_dict, expected, source, file_of=None):
     raise_errors(errors)
 
 
-def raise_errors(errors):
-    """One ValueError listing every offender (a checkpoint is wrong in all its places at once, not one by one)."""
+def raise_errors(errors, shown=3):
+    """One ValueError, one line, naming the first offenders and how many there are (a checkpoint is often wrong in
+    many places at once: a config.json whose sizes are not its weights')."""
     if errors:
-        raise ValueError(f"{len(errors)} checkpoint error(s):\n  " + "\n  ".join(errors))
+        more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
+        raise ValueError(f"{len(errors)} checkpoint error(s): " + "; ".join(errors[:shown]) + more)
 
 
 def language_state_dict(state_dict):

@@ -169,7 +169,10 @@ def device():
 
 def on_every_rank(fn, *args, **kwargs):
     """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
-    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only)."""
+    rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only).
+    Without a process group: fn(...)."""
+    if not dist.is_initialized():
+        return fn(*args, **kwargs)
     try:
         out, error = fn(*args, **kwargs), None
     except SystemExit as e:

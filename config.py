@@ -10,6 +10,8 @@ vision fields start with `vit_`. A checkpoint saves the whole Config as its run 
 import argparse
 import dataclasses
 import difflib
+import math
+import re
 import types
 from dataclasses import dataclass, field
 
@@ -122,7 +124,9 @@ class Config:
     log_every: int = 1
     metrics_file: str | None = None
     moe_stats_every: int = 10
-    tensorboard: str | None = None
+    tensorboard: str | None = _f(None, "TensorBoard log directory (pip install -e '.[tensorboard]')")
+    wandb: str | None = _f(None, "Weights & Biases project (pip install -e '.[wandb]'; WANDB_MODE=offline works "
+                           "without a network)")
     eval_every: int = 0
     eval_samples: int | None = _f(None, "an evaluation scores the first N eval samples; default: the whole eval data "
                                   "(32 of mock data)")
@@ -270,9 +274,40 @@ def changes(old, new, names=None):
     return [(k, getattr(old, k), getattr(new, k)) for k in names or FIELDS if getattr(old, k) != getattr(new, k)]
 
 
+# Ranges of the run's numbers: (fields, lowest allowed, what it means). Non-finite numbers never pass, None (not
+# given) always does.
+RANGES = [
+    (("steps", "lr_warmup_iters", "lr_warmup_samples", "save_every", "keep_last", "max_skipped_steps", "eval_every",
+      "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed"), 0, ">= 0"),
+    (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
+      "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
+      "lm_ep", "lm_etp"), 1, ">= 1"),
+    (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac"),
+     0.0, ">= 0"),
+]
+
+
 def check(cfg):
-    """Shape constraints of the model itself (layout constraints live in layout.py)."""
-    errors = []
+    """Every field's constraints, at once: the run's numbers (RANGES, finite, min_lr <= lr, fractions below 1, the
+    --train-layers regex) and the model's shape (layout constraints live in layout.py). One SystemExit line names
+    every offender."""
+    errors = [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number {what}" for names, low, what in RANGES
+              for k in names if getattr(cfg, k) is not None and not (math.isfinite(getattr(cfg, k)) and
+                                                                      getattr(cfg, k) >= low)]
+    if cfg.clip_grad < 0 or not math.isfinite(cfg.clip_grad):
+        errors.append(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
+    if 0 <= cfg.lr < math.inf and 0 <= cfg.min_lr < math.inf and cfg.min_lr > cfg.lr:
+        errors.append(f"--min-lr {cfg.min_lr}: must not exceed --lr {cfg.lr} (the schedule decays from --lr to it)")
+    for k in ("eval_frac", "mock_text_only_frac"):
+        if getattr(cfg, k) >= 1:
+            errors.append(f"--{flag(k)} {getattr(cfg, k)}: must be below 1 (a fraction)")
+    if not cfg.lora_alpha > 0 or not math.isfinite(cfg.lora_alpha):
+        errors.append(f"--lora-alpha {cfg.lora_alpha}: must be a finite number > 0")
+    if cfg.train_layers is not None:   # matching nothing: memory.sizing_model
+        try:
+            re.compile(cfg.train_layers)
+        except re.error as e:
+            errors.append(f"--train-layers {cfg.train_layers!r}: not a regular expression ({e})")
     if set(cfg.hybrid_override_pattern) - set("M*E-"):
         errors.append(f"hybrid_override_pattern may only hold M * E -, got {cfg.hybrid_override_pattern!r}")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -286,4 +321,5 @@ def check(cfg):
     if not 0 <= cfg.image_token_id < cfg.vocab_size:
         errors.append("image_token_id must be a valid token id")
     if errors:
-        raise SystemExit("bad config: " + "; ".join(errors))
+        raise SystemExit("; ".join(errors))
+

@@ -469,8 +469,6 @@ def build(cfg, tokenizer, verbose=True, train=None):
         if cfg.eval_every:
             raise SystemExit("--eval-every with real data needs --eval-data or --eval-frac")
         return RealData(train, enc, cfg.seed, cfg.pack), None
-    if not 0 < cfg.eval_frac < 1:
-        raise SystemExit(f"--eval-frac must be in (0, 1), got {cfg.eval_frac}")
     head, tail = [], []                              # the last eval_frac of every file is held out
     for w, p, idx in train:
         n = len(idx["offsets"])

@@ -1,5 +1,5 @@
 """A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, non-finite
-steps, checked arguments (requeue: resume.py).
+steps (requeue: resume.py; argument checks: config.check).
 
 Signals: SIGINT / SIGTERM only set a flag (the first one counts; later ones cannot cut the save short). Every rank calls Stop() at the same micro-batch boundaries (a one-int
 all-reduce on a gloo group, so no GPU sync); once any rank was signalled, all abandon the step in progress
@@ -13,7 +13,6 @@ the rows of k and returns a zero gradient; the vision side runs the backward of 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
 import os
-import re
 import signal
 import sys
 
@@ -173,22 +172,10 @@ def check_finite_run(bad_steps, limit, norm, save):
     """Abort after `limit` consecutive skipped (non-finite) steps: every rank, the same step (norm is agreed)."""
     if limit and bad_steps >= limit:
         latest = os.path.join(save, "latest") if save else None
-        kept = f"`latest` stays {open(latest).read().strip()} in {save}" if latest and os.path.exists(latest) \
-            else "no checkpoint was saved"
+        if latest and os.path.exists(latest):
+            kept = (f"`latest` stays {open(latest).read().strip()} in {save}. Resume from it with a lower --lr or "
+                    "longer warmup, or raise --max-skipped-steps")
+        else:
+            kept = "no checkpoint was saved. Start again with a lower --lr or longer warmup"
         raise SystemExit(f"{bad_steps} consecutive steps had non-finite gradients (grad norm {norm}); stopping, "
-                         f"{kept}. Resume from it with a lower --lr or longer warmup, or raise --max-skipped-steps")
-
-
-# ---------------------------------------------------------------- arguments
-
-def check_args(cfg):
-    """Argument errors found before anything is built, the same on every rank."""
-    if cfg.clip_grad < 0:
-        raise SystemExit(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
-    if cfg.max_skipped_steps < 0:
-        raise SystemExit(f"--max-skipped-steps {cfg.max_skipped_steps}: must be >= 0 (0: never abort)")
-    if cfg.train_layers is not None:   # matching nothing: memory.sizing_model
-        try:
-            re.compile(cfg.train_layers)
-        except re.error as e:
-            raise SystemExit(f"--train-layers {cfg.train_layers!r}: not a regular expression ({e})") from None
+                         f"{kept}")

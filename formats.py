@@ -27,6 +27,7 @@ import re
 import time
 
 import numpy as np
+import torch.distributed as dist
 from tqdm import tqdm
 
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -334,26 +335,28 @@ def truncate(ids, mask, runs, seq_len):
 def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
     """One pass over a file: every good record's key (byte offset, or parquet row), line (row) and token length.
     Cached beside the file, keyed by its size, mtime and everything that changes lengths or validity. Among the
-    ranks of a node, local rank 0 indexes and the others wait for its cache (where the directory is writable)."""
+    ranks of a node, local rank 0 indexes and writes the cache, the others wait for it (_Shared); where the
+    directory is read-only every rank indexes for itself."""
     st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
                                      skip_bad, sorted((columns or {}).items())]).encode()).hexdigest()[:16]
     cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
-    if int(os.environ.get("LOCAL_RANK", 0)) and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-        while not os.path.exists(cache):   # a failure on local rank 0 ends the job (torchrun stops every rank)
-            time.sleep(0.2)
+    shared = _Shared(cache) if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK) else None
+    if shared is not None and not shared.owner:
+        shared.wait(path)
     if os.path.exists(cache):
         with np.load(cache) as z:
             idx = {k: z[k] for k in z.files}
     else:
-        idx = _index(path, encoder, columns or {}, skip_bad, verbose and st.st_size >= 2 ** 24)
-        try:                                         # atomic: readers never see half a file
-            tmp = f"{cache}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                np.savez(f, **idx)
-            os.replace(tmp, cache)
-        except OSError:
-            pass                                     # read-only data directory: index again next time
+        try:
+            idx = _index(path, encoder, columns or {}, skip_bad, verbose and st.st_size >= 2 ** 24)
+            if shared is not None:
+                _write_cache(path, cache, idx)
+        except (SystemExit, BadSample) as e:   # the waiting ranks end with this message too
+            if shared is not None:
+                shared.fail(str(e.code if isinstance(e, SystemExit) else f"{e}. Fix the line or pass "
+                                "--skip-bad-samples"))
+            raise
     counts = [f"{int(idx['truncated'])} truncated to seq_len"] * bool(idx["truncated"]) + \
         [f"skipped {len(idx['overlong'])} over-long"] * bool(len(idx["overlong"])) + \
         [f"skipped {len(idx['bad'])} bad line(s)"] * bool(len(idx["bad"]))
@@ -364,6 +367,52 @@ def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
     if not len(idx["offsets"]):
         raise SystemExit(f"{path}: no usable documents")
     return idx
+
+
+def _write_cache(path, cache, idx):
+    """Atomically (readers never see half a file); a failed write (a full disk) is an error, leaving nothing."""
+    tmp = f"{cache}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **idx)
+        os.replace(tmp, cache)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise SystemExit(f"{path}: cannot write its index cache {cache} ({type(e).__name__}: {e.strerror or e}). "
+                         f"Free space in {os.path.dirname(os.path.abspath(cache))}, or make it read-only (every "
+                         "rank then indexes for itself)") from None
+
+
+class _Shared:
+    """Local rank 0's indexing of one file, as the node's other ranks see it through the process group's store: it
+    writes the cache, or a failure message; a waiting rank ends with that message, or with its own when local rank
+    0's process is gone, rather than wait forever. Without a process group every rank is an owner."""
+
+    def __init__(self, cache):
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        self.owner = store is None or int(os.environ.get("LOCAL_RANK", 0)) == 0
+        self.store, self.cache = store, cache
+        self.key = f"index/{os.environ.get('GROUP_RANK', '0')}/{os.path.abspath(cache)}"
+        if store is not None and self.owner:
+            store.set(self.key + "/pid", str(os.getpid()))
+
+    def fail(self, message):
+        if self.store is not None:
+            self.store.set(self.key + "/failed", message)
+
+    def wait(self, path):
+        while not os.path.exists(self.cache):
+            if self.store.check([self.key + "/failed"]):
+                raise SystemExit(self.store.get(self.key + "/failed").decode())
+            if self.store.check([self.key + "/pid"]):
+                pid = int(self.store.get(self.key + "/pid"))
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    raise SystemExit(f"{path}: local rank 0 (pid {pid}) ended before it indexed the file; its "
+                                     "output says why") from None
+            time.sleep(0.2)
 
 
 def _index(path, encoder, columns, skip_bad, progress):

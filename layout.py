@@ -128,11 +128,14 @@ def check_layout(lay, cfg):
     if max(vdp, ldp) % min(vdp, ldp):
         errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
     if lay.samples_per_microbatch % vdp:
+        fix = next(m for m in range(lay.micro_batch + 1, vdp * lay.micro_batch + 1) if m * ldp % vdp == 0)
         errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {lay.samples_per_microbatch} samples "
-                      f"per microbatch do not split evenly over vision dp {vdp}")
-    if lay.global_batch % lay.samples_per_microbatch:
+                      f"per microbatch do not split evenly over vision dp {vdp} (--micro-batch {fix} would)")
+    spm = lay.samples_per_microbatch
+    if lay.global_batch % spm:
+        near = sorted({max(lay.global_batch // spm, 1) * spm, -(-lay.global_batch // spm) * spm})
         errors.append(f"global_batch {lay.global_batch} is not divisible by micro_batch {lay.micro_batch} x "
-                      f"language dp {ldp} = {lay.samples_per_microbatch}")
+                      f"language dp {ldp} = {spm} (--global-batch {' or '.join(map(str, near))} would be)")
     if errors:
         raise SystemExit("bad parallel layout: " + "; ".join(errors))
     return lay

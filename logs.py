@@ -1,8 +1,9 @@
 """What a run tells its user, from one rank: the start (config, data, parameters), one line per step (console and
---metrics-file / --tensorboard), eval lines and the closing summary. Console lines go through tqdm.write, so they
-never break the progress bar a person watching a terminal sees. Metric keys name their units (_s, _gib, per_s).
-Shape suffixes: counts_LE is [L, E], L MoE layers, E routed experts.
+--metrics-file; the scalars also to --tensorboard / --wandb), eval lines and the closing summary. Console lines go
+through tqdm.write, so they never break the progress bar a person watching a terminal sees. Metric keys name their
+units (_s, _gib, per_s). Shape suffixes: counts_LE is [L, E], L MoE layers, E routed experts.
 """
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
+import comm
 import memory
 
 
@@ -62,18 +64,86 @@ def data_summary(name, ds):
     return f"{name} data: " + "; ".join(parts)
 
 
+# TensorBoard / W&B scalar <- step record key (README "Logging" lists them): the same names in both sinks, and ones
+# that only ever get added to, since dashboards and run comparisons key on them
+STEP_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm", "train/mfu": "mfu",
+                "train/skipped_steps": "skipped", "train/step_time_s": "step_time_s",
+                "train/tokens_per_s": "tokens_per_s", "train/tokens_per_s_per_gpu": "tokens_per_s_per_gpu"}
+EVAL_SCALARS = {"eval/loss": "eval_loss", "eval/ppl": "eval_ppl"}
+
+
+def step_scalars(rec):
+    """A step record's scalars: MFU only where known (CUDA), peak memory the largest rank's, moe/ the balance numbers
+    of moe_stats (its per-layer lists stay in the metrics file)."""
+    out = {name: rec[key] for name, key in STEP_SCALARS.items() if rec[key] is not None}
+    out["train/peak_mem_gib"] = max(rec["peak_mem_gib_per_rank"])
+    out.update({f"moe/{k}": v for k, v in rec.get("moe", {}).items() if not isinstance(v, list)})
+    return out
+
+
+class TensorBoard:
+    """Scalars into event files in --tensorboard DIR (torch.utils.tensorboard, which needs the tensorboard package)."""
+    name = "tensorboard"  # the Config field, the flag, the package and its pyproject extra
+    hint = "Check that the directory is writable"
+
+    def __init__(self, cfg):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(cfg.tensorboard)
+
+    def log(self, scalars, step):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self):
+        self.writer.close()
+
+
+class WandB:
+    """Scalars into a W&B run of project --wandb with the run's config; its files under --save (by the checkpoints) or
+    else WANDB_DIR / the working directory, where WANDB_MODE=offline keeps them for a later `wandb sync`."""
+    name = "wandb"
+    hint = "Log in with `wandb login`, or set WANDB_MODE=offline to log without a network"
+
+    def __init__(self, cfg):
+        self.wandb = importlib.import_module("wandb")
+        if cfg.save:
+            os.makedirs(cfg.save, exist_ok=True)
+        self.wandb.init(project=cfg.wandb, config=vars(cfg), dir=cfg.save)
+
+    def log(self, scalars, step):
+        self.wandb.log(scalars, step=step)
+
+    def close(self):
+        self.wandb.finish()
+
+
+def _open_sinks(wanted, cfg, on):
+    missing = next((s.name for s in wanted if importlib.util.find_spec(s.name) is None), None)
+    if missing:
+        raise SystemExit(f"--{missing} needs the {missing} package: pip install -e '.[{missing}]'")
+    sinks = []
+    for sink in wanted if on else ():
+        try:
+            sinks.append(sink(cfg))
+        except Exception as e:  # W&B not logged in or without a network, an unwritable directory
+            raise SystemExit(f"--{sink.name} could not start ({' '.join(str(e).split()).rstrip('.')}). "
+                             f"{sink.hint}") from None
+    return sinks
+
+
 class Log:
-    """Console, metrics file and TensorBoard of the logging rank; every method is a no-op on the others."""
+    """Console, metrics file, TensorBoard and W&B of the logging rank; every method is a no-op on the others."""
 
     def __init__(self, cfg, on, first_step):
+        # A sink that cannot start is a user error that every rank raises alike (were it the logging rank's alone, the
+        # others would wait in the next collective): each rank looks for the packages before anything is imported,
+        # the logging rank opens the sinks, and comm.on_every_rank shares what failed (only when a sink is asked for)
+        wanted = [sink for sink in (TensorBoard, WandB) if getattr(cfg, sink.name)]
+        self.sinks = comm.on_every_rank(_open_sinks, wanted, cfg, on) if wanted else []
         self.on, self.t0, self.first = on, time.perf_counter(), first_step
         self.bar = tqdm(total=cfg.steps, initial=first_step, unit="step",
                         disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
         self.metrics = open(cfg.metrics_file, "a") if cfg.metrics_file and on else None
-        self.tb = None
-        if cfg.tensorboard and on:
-            from torch.utils.tensorboard import SummaryWriter  # optional dependency
-            self.tb = SummaryWriter(cfg.tensorboard)
         self.last = {}
 
     def say(self, msg):
@@ -100,7 +170,7 @@ class Log:
         return time.perf_counter() - self.t0
 
     def step(self, rec):
-        """One step's record (see train.step_record): a console line, a metrics line, TensorBoard scalars."""
+        """One step's record (see train.step_record): a console line, a metrics line, the sinks' scalars."""
         self.last["loss"] = rec["loss"]
         if not self.on:
             return
@@ -113,13 +183,12 @@ class Log:
         if self.metrics:
             self.metrics.write(json_line(rec))
             self.metrics.flush()
-        if self.tb:
-            for key, name in (("loss", "lm loss"), ("lr", "learning-rate"), ("grad_norm", "grad-norm"),
-                              ("step_time_s", "iteration-time"), ("tokens_per_s", "throughput")):
-                self.tb.add_scalar(name, rec[key], rec["step"])
-            for key, value in rec.get("moe", {}).items():
-                if not isinstance(value, list):
-                    self.tb.add_scalar(f"moe/{key}", value, rec["step"])
+        self.scalars(step_scalars(rec), rec["step"])
+
+    def scalars(self, scalars, step):
+        """{name: number} at a step to every sink (none off the logging rank)."""
+        for sink in self.sinks:
+            sink.log(scalars, step)
 
     def eval(self, step, result):
         self.last["eval_loss"] = result["eval_loss"]
@@ -128,12 +197,15 @@ class Log:
         if self.metrics and self.on:
             self.metrics.write(json_line({"step": step, **result}))
             self.metrics.flush()
+        self.scalars({name: result[key] for name, key in EVAL_SCALARS.items()}, step)
 
     def close(self, step, save_dir):
         """The closing summary: steps, time, last losses, the checkpoint and the lines to resume and export."""
         self.bar.close()
         if self.metrics:
             self.metrics.close()
+        for sink in self.sinks:
+            sink.close()
         if not self.on:
             return
         fmt = lambda k: "N/A" if self.last.get(k) is None else f"{self.last[k]:.4f}"  # noqa: E731

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -101,11 +102,40 @@ def exit_usage(message):
     raise SystemExit(f"{message}. See --help")
 
 
+# Flags users bring from HF Trainer, torchtitan (its TOML keys as --section.key) and Megatron-LM, by what they mean
+# here (after _dashes: underscores are dashes).
+ALIASES = {
+    "learning-rate": "--lr", "max-steps": "--steps", "train-iters": "--steps", "training.steps": "--steps",
+    "output-dir": "--save", "save-dir": "--save", "checkpoint.folder": "--save", "job.dump-folder": "--save",
+    "resume-from-checkpoint": "--load", "model-name-or-path": "--load (an HF directory)", "optimizer.lr": "--lr",
+    "per-device-train-batch-size": "--micro-batch", "micro-batch-size": "--micro-batch",
+    "global-batch-size": "--global-batch", "training.global-batch-size": "--global-batch",
+    "training.local-batch-size": "--micro-batch",
+    "gradient-accumulation-steps": "--global-batch (samples a step = micro-batch x data parallel x accumulation)",
+    "warmup-steps": "--lr-warmup-iters", "lr-warmup-steps": "--lr-warmup-iters", "lr-scheduler.warmup-steps":
+    "--lr-warmup-iters", "lr-scheduler-type": "--lr-schedule", "lr-decay-style": "--lr-schedule",
+    "max-grad-norm": "--clip-grad", "training.max-norm": "--clip-grad", "seq-length": "--seq-len",
+    "training.seq-len": "--seq-len", "max-seq-length": "--seq-len", "gradient-checkpointing":
+    "--activation-checkpointing", "recompute-activations": "--activation-checkpointing",
+    "activation-checkpoint.mode": "--activation-checkpointing", "logging-steps": "--log-every",
+    "log-interval": "--log-every", "save-steps": "--save-every", "save-interval": "--save-every",
+    "eval-steps": "--eval-every", "eval-interval": "--eval-every", "save-total-limit": "--keep-last",
+    "dataset": "--data", "data-path": "--data", "train-data-path": "--data", "tokenizer-model": "--tokenizer",
+    "tokenizer-name-or-path": "--tokenizer", "tensor-model-parallel-size": "--lm-tp",
+    "parallelism.tensor-parallel-degree": "--lm-tp", "expert-model-parallel-size": "--lm-ep",
+    "parallelism.expert-parallel-degree": "--lm-ep", "parallelism.data-parallel-shard-degree": "--lm-dp",
+    "use-distributed-optimizer": "--distributed-optimizer (the default)", "report-to": "--tensorboard DIR or "
+    "--wandb PROJECT", "lora-r": "--lora-rank", "bf16": "no flag: CUDA runs train in bf16 already",
+}
+
+
 def unknown_flag(arg, parser):
-    """A flag that is none of ours is a typo: the error names the closest one."""
+    """A flag that is none of ours: one that means something here (ALIASES), or a typo of the closest one."""
     if not arg.startswith("--"):
         raise SystemExit(f"unexpected argument {arg!r}. See --help")
     key = arg[2:].partition("=")[0]
+    if key in ALIASES:
+        raise SystemExit(f"unknown flag --{key}. Use {ALIASES[key]}")
     names = [f[2:] for f in parser._option_string_actions if f.startswith("--")]
     close = difflib.get_close_matches(key, names, 1)
     raise SystemExit(f"unknown flag --{key}. " + (f"Did you mean --{close[0]}?" if close else "See --help"))
@@ -173,7 +203,6 @@ def main(argv=None):
     say = print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None
     world = inv.world_size if inv.dry_run and inv.world_size else int(os.environ.get("WORLD_SIZE", 1))
     cfg, start = resume.resolve(inv, given, world, say)
-    failsafe.check_args(cfg)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
         torch.device("cpu")
     capacity = inv.gpu_memory * memory.GIB if inv.dry_run else memory.capacity(device)
@@ -235,8 +264,6 @@ def setup(cfg, inv, lay, start, device):
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
     run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers)
     if eval_data is not None:
-        if cfg.eval_samples is not None and cfg.eval_samples < 1:
-            raise SystemExit(f"--eval-samples {cfg.eval_samples}: an evaluation needs at least one sample")
         n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
         run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
@@ -467,9 +494,14 @@ def train(run):
 def cli(argv=None):
     """The command line: main(), a user error (SystemExit with a message, a bad data line) printed as one line
     `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
-    its traceback."""
+    its traceback. Ctrl-C before training starts (failsafe.Stop takes signals from then on): one line, 130."""
+    rank = int(os.environ.get("RANK", 0))
     try:
         main(argv)
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted by SIGINT before training started: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
     except (SystemExit, data.BadSample) as e:
         # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
         bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
@@ -478,8 +510,9 @@ def cli(argv=None):
             raise
         if "--debug" in (sys.argv[1:] if argv is None else argv):
             traceback.print_exc()
-        if int(os.environ.get("RANK", 0)) != 0:  # rank 0 most likely failed too: its exit makes torchrun end
-            time.sleep(ERROR_GRACE_S)             # this process meanwhile; if not, the error was this rank's only
+        if rank != 0:   # rank 0 most likely failed too: its exit makes torchrun end this process meanwhile (its
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # SIGTERM, which failsafe.Stop would only note); if
+            time.sleep(ERROR_GRACE_S)                        # not, the error was this rank's only
         print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
         sys.exit(2)
 

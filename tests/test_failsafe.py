@@ -3,9 +3,11 @@ torchrun and Ctrl-C with a closed pipe stop at a micro-batch boundary, save the 
 bit-exactly; failed saves end the run with `latest` intact; the requeue line; stage 1 with text-only micro-batches
 (hetero and colocated); thin and truncated images; the non-finite abort; --clip-grad 0; one-line bad-input errors."""
 import dataclasses
+import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +21,7 @@ from PIL import Image
 import checkpoint
 import config
 import data
+import failsafe
 import formats
 import logs
 import optim
@@ -182,6 +185,14 @@ def test_failed_save_ends_the_run_and_keeps_latest(tmp_path, mode):
         assert msg.startswith(f"checkpoint {save}/step_00000002 FAILED (rank 1: OSError: [Errno 28] No space left "
                               f"on device: '{save}/step_00000002/") and "`latest` stays step_00000001" in msg, msg
     assert latest(save) == "step_00000001"
+    assert not os.path.exists(os.path.join(save, "step_00000002"))   # nothing half-written left on the disk
+
+
+def test_non_finite_abort_without_a_checkpoint_says_start_again():
+    with pytest.raises(SystemExit) as e:
+        failsafe.check_finite_run(3, 3, float("nan"), None)
+    assert str(e.value) == "3 consecutive steps had non-finite gradients (grad norm nan); stopping, no checkpoint was " \
+        "saved. Start again with a lower --lr or longer warmup"
 
 
 def test_unwritable_save_directory_is_refused_before_step_1(tmp_path):
@@ -416,3 +427,33 @@ def test_damaged_checkpoint_json_is_one_line(saved, tmp_path, damage):
     if name.startswith("rank"):
         resumed = run_distributed(_train, 2, TINY + ["--steps", "2", "--load", save, "--no-load-rng"])
         assert all(len(h) == 1 for h, _ in resumed)
+
+
+# ---------------------------------------------------------------- shared work, one line from one rank
+
+def _index_on_a_full_disk(rank, world, path):
+    """data.build on every rank; local rank 0's write of the index cache fails as on a full disk."""
+    if rank == 0:
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        formats.np.savez = full   # this forked child only
+    cfg = dataclasses.replace(config.resolve("tiny"), data=path)
+    try:
+        data.build(cfg, data.load_tokenizer(None, cfg), verbose=False)
+    except SystemExit as e:
+        return str(e)
+
+
+def test_failed_index_cache_write_ends_every_rank(tmp_path):
+    """Local rank 0 indexes, the others wait for its cache: its failure is theirs, at once (no hang), and nothing
+    is left behind."""
+    path = _jsonl(tmp_path / "chat.jsonl", [{"text": "hello"}] * 3)
+    start = time.monotonic()
+    msgs = run_distributed(_index_on_a_full_disk, 2, path, timeout=30.0)
+    assert time.monotonic() - start < 20
+    cache = next(iter(glob.glob(str(tmp_path / ".chat.jsonl.*.idx.npz")) or [None]))
+    assert cache is None and not glob.glob(str(tmp_path / "*.tmp")) and not glob.glob(str(tmp_path / ".*.tmp"))
+    assert msgs[0] == msgs[1] and re.fullmatch(
+        rf"{re.escape(path)}: cannot write its index cache \S+\.idx\.npz \(OSError: No space left on device\)\. "
+        rf"Free space in {re.escape(str(tmp_path))}, or make it read-only \(every rank then indexes for itself\)",
+        msgs[0]), msgs

@@ -5,6 +5,7 @@ language-only import; bad directories named in one error."""
 import base64
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -320,3 +321,26 @@ def test_bad_directories_are_named(omni, tmp_path):
     save_file(t, bad / index["weight_map"][key])
     with pytest.raises(ValueError, match="layer_scale1.lambda1 is not all ones"):
         hf_interop.import_hf(bad, preset="tiny")
+
+
+def test_broken_hf_directory_is_one_line_from_train(omni, tmp_path):
+    """--load of an HF directory whose index names a missing shard, or whose config.json sizes are not its weights':
+    one line naming the file, not a traceback (train.py's cli prints it as `error: ...`, exit 2)."""
+    d, _ = omni
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    index = json.loads((bad / hf_interop.INDEX_NAME).read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    os.remove(bad / shard)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--load", str(bad), "--preset", "tiny", "--steps", "1"])
+    assert str(e.value) == f"{bad / shard}: missing (named in {hf_interop.INDEX_NAME}). Check --load (a save " \
+                           "directory or DIR/step_N of a run of this model)"
+    shutil.copy(d / shard, bad / shard)
+    hf = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**hf, "text_config": {**hf["text_config"], "hidden_size": 96}}))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--load", str(bad), "--preset", "tiny", "--steps", "1"])
+    msg = str(e.value)
+    assert "\n" not in msg and re.match(r"\d+ checkpoint error\(s\): \S+: tensor \S+ has shape \[", msg) and \
+        re.search(r"; and \d+ more\. Check --load", msg), msg

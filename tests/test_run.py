@@ -159,6 +159,80 @@ def test_user_errors_are_one_line(argv, message):
     assert out.returncode == 2 and out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.parametrize("argv,message", [   # validated where parsed (config.check), before anything is built
+    (["--min-lr=-3e-3"], "--min-lr -0.003: must be a finite number >= 0"),
+    (["--lr-warmup-iters=-5"], "--lr-warmup-iters -5: must be a finite number >= 0"),
+    (["--steps", "-3"], "--steps -3: must be a finite number >= 0"),
+    (["--lr=-1e-3"], "--lr -0.001: must be a finite number >= 0"),
+    (["--lr", "nan"], "--lr nan: must be a finite number >= 0"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr 0.001: must not exceed --lr 0.0001 (the schedule decays from --lr "
+                                           "to it)"),
+    (["--log-every", "0"], "--log-every 0: must be a finite number >= 1"),
+    (["--eval-frac", "1.5", "--clip-grad", "-1"], "--clip-grad -1.0: must be >= 0 (0 turns clipping off); --eval-frac "
+                                                  "1.5: must be below 1 (a fraction)"),
+    (["--learning-rate", "1e-3"], "unknown flag --learning-rate. Use --lr"),
+    (["--save_dir", "x"], "unknown flag --save-dir. Use --save"),
+    (["--max-steps", "9"], "unknown flag --max-steps. Use --steps"),
+    (["--per-device-train-batch-size", "2"], "unknown flag --per-device-train-batch-size. Use --micro-batch"),
+    (["--gradient-accumulation-steps", "4"], "unknown flag --gradient-accumulation-steps. Use --global-batch (samples "
+                                             "a step = micro-batch x data parallel x accumulation)"),
+    (["--warmup-steps", "10"], "unknown flag --warmup-steps. Use --lr-warmup-iters"),
+    (["--vision-dp", "2", "--lm-dp", "1", "--world-size", "3", "--dry-run"], "bad parallel layout: micro_batch 1 x "
+     "language dp 1 = 1 samples per microbatch do not split evenly over vision dp 2 (--micro-batch 2 would)"),
+    (["--colocated", "--lm-dp", "3", "--world-size", "3", "--dry-run"], "bad parallel layout: global_batch 8 is not "
+     "divisible by micro_batch 1 x language dp 3 = 3 (--global-batch 6 or 9 would be)"),
+])
+def test_bad_arguments_are_refused_in_one_line(argv, message):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", *argv])
+    assert str(e.value) == message
+
+
+def test_ctrl_c_before_training_is_one_line(tmp_path):
+    """SIGINT during set-up, before failsafe.Stop takes signals: one line, exit 130, no traceback from any rank."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(f"""import os, runpy, signal, sys
+sys.path.insert(0, {ROOT!r})
+import mock
+real = mock.MockData.__init__
+def interrupt(self, *a, **k):   # Ctrl-C while the data is set up
+    os.kill(os.getpid(), signal.SIGINT)
+    real(self, *a, **k)
+mock.MockData.__init__ = interrupt
+sys.argv = ["train.py", "--preset", "tiny", "--steps", "2"]
+runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
+""")
+    out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script))
+    assert out.returncode != 0 and 'train.py", line' not in out.stderr, out.stderr   # torchrun's own report only
+    assert out.stderr.count("interrupted by SIGINT before training started: nothing to save") == 1, out.stderr
+    single = sh(sys.executable, str(script))
+    assert single.returncode == 130 and single.stderr == "interrupted by SIGINT before training started: nothing " \
+        "to save\n", single.stderr
+
+
+def test_an_error_once_training_runs_is_printed_once(tmp_path):
+    """A failed save after step 1 (every rank fails alike, failsafe.Stop holds SIGTERM by then): rank 0's line only,
+    the other rank ended by torchrun during its grace."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(f"""import os, runpy, sys
+sys.path.insert(0, {ROOT!r})
+import checkpoint
+real = checkpoint.write_atomic
+def full(path, obj):
+    if "step_00000002" in path:
+        raise OSError(28, "No space left on device", path)
+    return real(path, obj)
+checkpoint.write_atomic = full
+sys.argv = ["train.py", "--preset", "tiny", "--steps", "3", "--global-batch", "2", "--save-every", "1",
+            "--save", {str(tmp_path / "ckpt")!r}]
+runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
+""")
+    out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script))
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(lines) == 1 and "step_00000002 FAILED" in lines[0], out.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "run_config.json", "step_00000001"]   # nothing left
+
+
 def test_one_line_error_from_two_ranks_printed_once():
     out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--preset", "tiny",
              "--global-batch", "3", "--colocated", "--lm-dp", "2")

@@ -24,7 +24,7 @@ def _f(default, help=None, **meta):
 @dataclass
 class Config:
     preset: str = _f("tiny", "model and defaults (fields below override it)", choices=("tiny", "small", "20l", "54l",
-                                                                                          "nano"))
+                                                                                          "nano", "super"))
     # ---- language model (HF nemotron_h names) ----
     vocab_size: int = 131072
     hidden_size: int = 2688
@@ -42,8 +42,15 @@ class Config:
     num_experts_per_tok: int = 6
     moe_intermediate_size: int = 1856
     moe_shared_expert_intermediate_size: int = 3712
+    moe_latent_size: int | None = _f(None, "LatentMoE: routed experts run in this width (fc1 / fc2_latent_proj around "
+                                     "them); None: the hidden size, no projections")
     intermediate_size: int = _f(1856, "dense '-' MLP width")
     routed_scaling_factor: float = 2.5
+    num_nextn_predict_layers: int = _f(0, "multi-token prediction blocks (their weights); depth k runs block (k-1) mod "
+                                       "this (docs/super.md §3)")
+    mtp_pattern: str = _f("*E", "the layers of one MTP block (HF mtp_layers_block_type)")
+    mtp_depths: int | None = _f(None, "MTP depths trained (default: num_nextn_predict_layers; more: blocks shared)")
+    mtp_loss_scale: float = _f(0.1, "weight of the MTP loss, the mean over depths (Megatron's 0.1; Super trains 0.3)")
     norm_eps: float = 1e-5
     init_std: float = _f(0.0173, "Megatron recipes' init std, not HF's 0.02")
     moe_aux_loss_coeff: float = _f(1e-4, "seq_aux_loss")
@@ -143,8 +150,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "n_groups",
                    "ssm_state_size", "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
-                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "intermediate_size",
-                   "routed_scaling_factor", "norm_eps", "init_std")
+                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "intermediate_size",
+                   "routed_scaling_factor", "norm_eps", "init_std", "num_nextn_predict_layers", "mtp_pattern")
 VISION_FIELDS = ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
                  "class_token_len", "projector_hidden")
 # What a checkpoint's weights mean: they load only into a run with equal values (checkpoint.load checks them).
@@ -165,6 +172,13 @@ VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 
 
 NANO = dict(num_key_value_heads=2, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME")
 
+SUPER = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, mamba_num_heads=128, n_groups=8,
+             hybrid_override_pattern="MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
+                                     "EMEMEMEME",
+             n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+             moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, routed_scaling_factor=5.0, init_std=0.014,
+             num_nextn_predict_layers=1, mtp_pattern="*E", mtp_depths=2, mtp_loss_scale=0.3)
+
 PRESETS = {
     "tiny": dict(  # fast on 2 CPU cores; tp2 / ep2 / vision tp2 all divide
         vocab_size=512, hidden_size=64, hybrid_override_pattern="MEM*EM-E", num_attention_heads=4,
@@ -184,6 +198,9 @@ PRESETS = {
                 activation_checkpointing=True),
     # a 31.6 B-parameter model: activation checkpointing is what lets a full fine-tune fit 8 x 80 GB (memory.py)
     "nano": dict(NANO, activation_checkpointing=True),
+    # Nemotron 3 Super 120B-A12B (docs/super.md §1): LatentMoE, one MTP block trained as two depths sharing it
+    # (Megatron-Bridge's Super recipe, loss scale 0.3); Megatron's init std 0.014
+    "super": dict(SUPER, activation_checkpointing=True),
 }
 
 # A preset's reference layout: the layout chooser (layout.py) takes it first on this many ranks when it fits.
@@ -278,12 +295,13 @@ def changes(old, new, names=None):
 # given) always does.
 RANGES = [
     (("steps", "lr_warmup_iters", "lr_warmup_samples", "save_every", "keep_last", "max_skipped_steps", "eval_every",
-      "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed"), 0, ">= 0"),
+      "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed", "num_nextn_predict_layers"), 0,
+     ">= 0"),
     (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
       "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
-      "lm_ep", "lm_etp"), 1, ">= 1"),
-    (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac"),
-     0.0, ">= 0"),
+      "lm_ep", "lm_etp", "moe_latent_size", "mtp_depths"), 1, ">= 1"),
+    (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
+      "mtp_loss_scale"), 0.0, ">= 0"),
 ]
 
 
@@ -308,8 +326,11 @@ def check(cfg):
             re.compile(cfg.train_layers)
         except re.error as e:
             errors.append(f"--train-layers {cfg.train_layers!r}: not a regular expression ({e})")
-    if set(cfg.hybrid_override_pattern) - set("M*E-"):
-        errors.append(f"hybrid_override_pattern may only hold M * E -, got {cfg.hybrid_override_pattern!r}")
+    for k in ("hybrid_override_pattern", "mtp_pattern"):
+        if set(getattr(cfg, k)) - set("M*E-") or not getattr(cfg, k):
+            errors.append(f"{k} may only hold M * E -, got {getattr(cfg, k)!r}")
+    if cfg.mtp_depths and not cfg.num_nextn_predict_layers:
+        errors.append(f"--mtp-depths {cfg.mtp_depths}: the model has no MTP block (num_nextn_predict_layers 0)")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         errors.append("num_attention_heads must be a multiple of num_key_value_heads")
     if cfg.mamba_num_heads % cfg.n_groups:

@@ -7,7 +7,8 @@ definition of their math: the CPU runs them eagerly, CUDA through torch.compile,
 the two equal. Nothing here talks to other ranks; callers do the collectives between the pieces.
 
 Shape suffixes (logits_NV is [N, V]): N token positions (the rows of the logits), V vocab (this rank's shard), T tokens
-of an MoE layer, K experts per token, R routed rows (T x K, sorted by expert), D hidden size.
+of an MoE layer, K experts per token, R routed rows (T x K, sorted by expert), D a row's width (the hidden size,
+or the latent width under LatentMoE).
 """
 import functools
 

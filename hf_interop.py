@@ -27,6 +27,7 @@ import config
 import data
 import hf_peft
 import lora
+import model
 import radio
 
 WEIGHTS_NAME, INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
@@ -34,11 +35,11 @@ DEFAULT_SHARD_BYTES = 5 * 10**9      # HF's classic default shard size
 
 # Config fields: config.LANGUAGE_FIELDS are what HF's config carries, under the same names except these two.
 HF_RENAMED = {"layer_norm_epsilon": "norm_eps", "initializer_range": "init_std"}
-HF_SAME = tuple(f for f in config.LANGUAGE_FIELDS if f not in HF_RENAMED.values())
+HF_SAME = tuple(f for f in config.LANGUAGE_FIELDS if f not in HF_RENAMED.values() and f != "mtp_pattern")
 # HF switches whose value is baked into our model; import refuses any other value (absent = HF default = this).
 HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, attention_bias=False, mlp_bias=False,
                 n_shared_experts=1, mlp_hidden_act="relu2", mamba_hidden_act="silu", n_group=1, topk_group=1,
-                norm_topk_prob=True, residual_in_fp32=False, tie_word_embeddings=False, moe_latent_size=None,
+                norm_topk_prob=True, residual_in_fp32=False, tie_word_embeddings=False,
                 sliding_window=None)
 # Written for completeness (Nano's values, docs/decoder.md §1), not read back. time_step_* only drive HF's init.
 # Caveat: HF's torch Mamba path clamps dt at time_step_min; ours, the CUDA kernels and Megatron do not.
@@ -55,7 +56,7 @@ OMNI_LM, OMNI_VISION, RADIO_ROOT = "language_model.", "vision_model.", "radio_mo
 # Weights of released checkpoints this model does not use: skipped on import, with one line naming them.
 UNUSED = {"video embedder": r"patch_generator\.video_embedder\.", "RADIO summary_idxs": r"summary_idxs$",
           "RADIO input conditioner": r"input_conditioner\.", "sound encoder / projection": r"^sound_",
-          "MTP layers": r"(^|\.)mtp\.", "LayerScale (all ones: identity)": r"\.(layer_scale[12]\.lambda1|ls[12]\.gamma)$"}
+          "LayerScale (all ones: identity)": r"\.(layer_scale[12]\.lambda1|ls[12]\.gamma)$"}
 LAYER_SCALE = re.compile(UNUSED["LayerScale (all ones: identity)"])
 # ... of which an export carries these through unchanged from the HF directory a run started from (copy_source)
 CARRIED = ("video embedder", "RADIO summary_idxs", "RADIO input conditioner", "sound encoder / projection")
@@ -94,9 +95,6 @@ def config_from_hf(hf, source="config.json", preset=None, image_token_id=None, r
         if not isinstance(text, dict):
             raise ValueError(f"{source}: nemotron_h_omni without a text_config")
         over, errors = _language_fields(text, f"{source}: text_config.", preset)
-        if text.get("num_nextn_predict_layers", 0):
-            errors.append(f"text_config.num_nextn_predict_layers={text['num_nextn_predict_layers']} (MTP and its "
-                          "vision_final_layernorm are not implemented)")
         vision, errs = _vision_fields(hf.get("vision_config") or {}, "vision_config.")
         over.update(vision)
         errors += errs
@@ -138,15 +136,16 @@ def _language_fields(hf, where, preset):
         pattern = "".join(HF_LAYER_TYPES.get(t, "?") for t in hf["layers_block_type"])
     else:
         pattern = hf.get("hybrid_override_pattern", config.resolve(preset or "nano").hybrid_override_pattern)
-    if set(pattern) - set("M*E-"):
-        errors.append(f"{where}layer pattern {pattern!r} (layers_block_type {hf.get('layers_block_type')}): "
-                      "only M * E -")
+    mtp = hf.get("mtp_hybrid_override_pattern") or "".join(   # the MTP block's layers, as string or list
+        HF_LAYER_TYPES.get(t, "?") for t in hf.get("mtp_layers_block_type") or ["full_attention", "moe"])
+    for what, p, field in (("layer", pattern, "layers_block_type"), ("MTP", mtp, "mtp_layers_block_type")):
+        if set(p) - set("M*E-"):
+            errors.append(f"{where}{what} pattern {p!r} ({field} {hf.get(field)}): only M * E -")
     if "num_hidden_layers" in hf and hf["num_hidden_layers"] != len(pattern):
         errors.append(f"{where}num_hidden_layers={hf['num_hidden_layers']} but the pattern has {len(pattern)} layers")
-    types = {f.name: f.type for f in dataclasses.fields(config.Config)}
-    over = {k: types[k](hf[k]) for k in HF_SAME if k in hf and k != "hybrid_override_pattern"}
-    over.update({ours: types[ours](hf[h]) for h, ours in HF_RENAMED.items() if h in hf})
-    over["hybrid_override_pattern"] = pattern
+    over = {k: config.base_type(k)(hf[k]) for k in HF_SAME if hf.get(k) is not None and k != "hybrid_override_pattern"}
+    over.update({ours: config.base_type(ours)(hf[h]) for h, ours in HF_RENAMED.items() if h in hf})
+    over["hybrid_override_pattern"], over["mtp_pattern"] = pattern, mtp
     return over, errors
 
 
@@ -168,7 +167,8 @@ def hf_config(cfg, torch_dtype="bfloat16", token_ids=None):
     """Our Config -> an HF nemotron_h config.json (the language model)."""
     hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": torch_dtype,
           "num_hidden_layers": len(cfg.hybrid_override_pattern), "max_position_embeddings": cfg.seq_len,
-          "num_nextn_predict_layers": 0, "image_token_id": cfg.image_token_id}
+          "image_token_id": cfg.image_token_id,
+          "mtp_layers_block_type": [t for k in cfg.mtp_pattern for t, c in HF_LAYER_TYPES.items() if c == k]}
     hf.update({k: getattr(cfg, k) for k in HF_SAME}, **HF_FIXED, **HF_INFO, **(token_ids or {}))
     hf.update({h: getattr(cfg, ours) for h, ours in HF_RENAMED.items()})
     return dict(sorted(hf.items()))
@@ -346,15 +346,23 @@ class HFSource:
         lm_root = OMNI_LM if omni else ""
         shapes = {"language." + k: v for k, v in checkpoint.lm_shapes(self.cfg).items()}
         vision = {"vision." + k: v for k, v in vision_shapes(self.cfg).items()}
-        errors += self._map(files, shapes, lambda k: lm_root + k[len("language."):], skipped)
+        # MTP blocks a directory announces but does not hold (transformers' save_pretrained drops them) start fresh
+        no_mtp = self.cfg.num_nextn_predict_layers and not any(k.startswith(lm_root + "mtp.") for k in files)
+        errors += self._map(files, {k: v for k, v in shapes.items() if not (no_mtp and ".mtp." in k)},
+                            lambda k: lm_root + k[len("language."):], skipped)
         if omni or vision_hf is not None:   # --vision-hf: the tower from RADIO_DIR, a fresh projector (below)
-            tower = {k: v for k, v in vision.items() if omni or not k.startswith("vision.mlp1.")}
+            tower = {k: v for k, v in vision.items()   # a radio directory has neither projector nor MTP's final norm
+                     if omni or not k.startswith(("vision.mlp1.", "vision.final_layernorm."))}
             errors += self._map(files if omni else _tensor_files(vision_hf), tower,
                                 lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
-        for k in set(shapes) - set(self.where):   # the LLaVA-style alignment start: --stage 1 trains the projector
-            name = k[len("vision."):]             # as a fresh tower draws it
-            self.fresh[k] = comm.draw(name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden))
+        for k in set(shapes) - set(self.where):   # drawn as a fresh model draws them (comm.draw): the LLaVA-style
+            name = k.split(".", 1)[1]             # alignment start's projector (--stage 1 trains it), MTP blocks
+            self.fresh[k] = comm.draw(name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden)) \
+                if k.startswith("vision.") else comm.draw(name, seed + model.SEED, shapes[k], model.rule(name, self.cfg))
+        if no_mtp:
+            say(f"{hf_dir}: no MTP weights (its config announces {self.cfg.num_nextn_predict_layers} block(s)): the "
+                "MTP blocks start from their initial values")
         checkpoint.raise_errors(errors)
         self.tensors = {k: {"shape": list(shapes[k]), "dtype": "?", "optim": False} for k in shapes}
         self.meta = {"step": 0, "layout": None, "ranks": 0, "counters": dict(checkpoint.FRESH)}
@@ -418,7 +426,7 @@ def _vision_hf_name(name, omni):
 
 def _is_vision(hf_key):
     """An Omni directory holds both parts: the vision tower and projector, or (sound included) the rest."""
-    return hf_key.startswith((OMNI_VISION, RADIO_ROOT, "radio_model.", "mlp1."))
+    return hf_key.startswith((OMNI_VISION, RADIO_ROOT, "radio_model.", "mlp1.", "vision_projector."))
 
 
 def _tensor_files(hf_dir):

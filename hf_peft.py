@@ -50,7 +50,9 @@ def save_peft(state_dict, cfg, out_dir, lm_root, base_model=None):
     nemotron_h_omni (hf_interop.OMNI_LM), "" in a nemotron_h, whose export drops the vision adapters as the
     language-only export drops the tower. cfg: lora_rank, lora_alpha. base_model: its base_model_name_or_path."""
     omni = bool(lm_root)
-    adapters = {k: v for k, v in state_dict.items() if ".lora_" in k and (omni or k.startswith("language."))}
+    # transformers builds no MTP blocks (it drops their weights on load): their adapters have nothing to attach to
+    adapters = {k: v for k, v in state_dict.items() if ".lora_" in k and (omni or k.startswith("language."))
+                and not k.startswith("language.mtp.")}
     if not adapters:
         raise ValueError("the checkpoint has no LoRA adapters" + (" (--lora-rank 0)" if omni else " in the language "
                          "model") + ": export the full model with export-hf without --adapters-only")

@@ -77,6 +77,7 @@ def step_scalars(rec):
     of moe_stats (its per-layer lists stay in the metrics file)."""
     out = {name: rec[key] for name, key in STEP_SCALARS.items() if rec[key] is not None}
     out["train/peak_mem_gib"] = max(rec["peak_mem_gib_per_rank"])
+    out.update({f"train/mtp_loss_{k}": v for k, v in enumerate(rec.get("mtp_loss", ()), 1)})
     out.update({f"moe/{k}": v for k, v in rec.get("moe", {}).items() if not isinstance(v, list)})
     return out
 
@@ -175,7 +176,8 @@ class Log:
         if not self.on:
             return
         na = lambda v, f: "N/A" if v is None else format(v, f)  # noqa: E731
-        self.say(f"step {rec['step']}/{rec['steps']} | loss {rec['loss']:.4f} | lr {rec['lr']:.3e} | "
+        mtp = "".join(f" | mtp{k} {v:.4f}" for k, v in enumerate(rec.get("mtp_loss", ()), 1))
+        self.say(f"step {rec['step']}/{rec['steps']} | loss {rec['loss']:.4f}{mtp} | lr {rec['lr']:.3e} | "
                  f"grad norm {rec['grad_norm']:.3f} | skipped {rec['skipped']} | tok/s {rec['tokens_per_s']:.0f} | "
                  f"MFU {na(rec['mfu'], '.1%')} | peak mem {max(rec['peak_mem_gib_per_rank']):.2f} GiB | "
                  f"{rec['step_time_s'] * 1e3:.0f} ms | elapsed {fmt_time(rec['elapsed_s'])} | "

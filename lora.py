@@ -1,8 +1,9 @@
 """LoRA (--lora-rank R --lora-alpha A [--lora-targets REGEX]): W x + (A / R) * B (A_lora x) with W frozen.
 
 Targets (regex over full names, default TARGETS): attention q/k/v/o, Mamba in/out projections, the dense and
-shared-expert MLPs, and the routed experts, one adapter pair per expert, applied inside the grouped GEMM
-(moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is frozen.
+shared-expert MLPs, LatentMoE's latent projections, and the routed experts, one adapter pair per expert, applied
+inside the grouped GEMM (moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is
+frozen.
 
 Sharding follows the frozen weight, so any tp / ep layout computes the one-device function:
   column-parallel W (rows over tp):  B's rows shard like W's; A sees the whole input and is replicated, its
@@ -10,6 +11,7 @@ Sharding follows the frozen weight, so any tp / ep layout computes the one-devic
   row-parallel W (columns over tp):  A's columns shard like W's; the product leaves through W's reduce_from,
                                       B is replicated, its gradient partial per tp rank
   experts:                            every adapter sharded over ep with its expert (etp must be 1)
+  LatentMoE's projections:            replicated, run on a token slice per tp rank: A and B both tp_partial
 B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed, name): layout-independent. The
 base stays exactly as loaded, the routers' expert biases too (train.py does not update them under LoRA), so the
 adapters alone (hf_peft.py) reproduce the run on the released weights.
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 import comm
 import moe
 
-TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)$"
+TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|fc1_latent_proj|fc2_latent_proj)$"
 
 
 def apply(modules, cfg, par=None, seed=0):
@@ -73,7 +75,9 @@ def _attach_linear(lin, r, scale):
     out_f, in_f = lin.weight.shape
     lin.lora_A, lin.lora_B = nn.Parameter(torch.empty(r, in_f)), nn.Parameter(torch.zeros(out_f, r))
     tp = next((s for s in getattr(lin.weight, "shards", ()) if s[0] == "tp"), None)
-    if tp is not None and tp[1] == 0:       # column-parallel
+    if getattr(lin.weight, "tp_partial", False):   # LatentMoE's projections: a token slice per tp rank
+        lin.lora_A.tp_partial = lin.lora_B.tp_partial = True
+    elif tp is not None and tp[1] == 0:     # column-parallel
         comm.mark_shard(lin.lora_B, tp)
         lin.lora_A.tp_partial = True
     elif tp is not None:                    # row-parallel

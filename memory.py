@@ -106,25 +106,27 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
     T, D, tp, etp = micro_batch * cfg.seq_len, cfg.hidden_size, lay.lm_tp, lay.lm_etp
     d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    K, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    K, E, Z = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_latent_size or cfg.hidden_size
     block = 2 * T * D + 4 * T                                   # the norm's input (the residual) and rstd
+    latent = 2 * T * (D + Z) / tp if cfg.moe_latent_size else 0  # LatentMoE: fc1's input slice, fc2's input
     mixer = {  # inputs of every matmul / kernel the mixer runs, as saved for backward, in bytes
         "M": 2 * T * D + 2 * T * (2 * d_in + 2 * gn + H) / tp + 2 * 2 * T * d_in / tp + 4 * T * cfg.n_groups / tp,
         "*": 2 * T * D + 2 * T * (nh + 2 * nkv) * hd / tp + 2 * 2 * T * nh * hd / tp + 4 * T * nh / tp,
         "-": 2 * T * D + 2 * 2 * T * cfg.intermediate_size / tp,
         "E": (2 * T * D + 4 * T * D + 4 * 2 * T * E                # input; fp32 router input, scores, sigmoid
               + 2 * 2 * T * cfg.moe_shared_expert_intermediate_size / tp
-              + 2 * (T * K / tp) * etp * (2 * D + 2 * cfg.moe_intermediate_size / etp)   # rows in, out; up, act
-              + 2 * T * D / tp + 2 * T * D),                        # combined rows, all-gathered over tp
+              + 2 * (T * K / tp) * etp * (2 * Z + 2 * cfg.moe_intermediate_size / etp)   # rows in, out; up, act
+              + 2 * T * D / tp + 2 * T * D + latent),               # combined rows, all-gathered over tp
     }
-    layers = [block + mixer[k] for k in cfg.hybrid_override_pattern]
+    depths = model.mtp_depths(cfg)   # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
+    layers = [block + mixer[k] for k in cfg.hybrid_override_pattern + cfg.mtp_pattern * depths]
     logits = 2 * T * cfg.vocab_size / tp
     head = 2 * 2 * T * D + logits + 8 * T                       # norm_f and lm_head inputs, logits, lse
     if checkpointing:
         saved = len(layers) * 2 * T * D + max(layers)              # each layer's input + the one being recomputed
     else:
         saved = sum(layers)
-    return saved + head + logits                                # + the logits' gradient, at the head's backward
+    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + logits   # + the logits' gradient, at backward
 
 
 def vision_tokens(cfg, lay):
@@ -199,7 +201,7 @@ def fits(rows, capacity):
 def dry_run(cfg, lay, capacity):
     """Print the config, the layout, the plan per rank kind (GiB) and whether each kind fits `capacity` bytes per
     rank, then one JSON line (the last line)."""
-    total_lm, active_lm = model.count_language_params(cfg)
+    (total_lm, active_lm), (total_mtp, _) = model.count_language_params(cfg), model.count_language_params(cfg, True)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
     print("config:", json.dumps(vars(cfg)))
@@ -218,8 +220,9 @@ def dry_run(cfg, lay, capacity):
         print(f"  {kind:8s} {'fits' if fit[kind] else 'does NOT fit'} {capacity / GIB:.1f} GiB: peak "
               f"{r['peak'] / GIB:.2f} GiB ({100 * r['peak'] / capacity:.0f} %), setup {r['setup'] / GIB:.2f} GiB "
               f"({100 * r['setup'] / capacity:.0f} %)")
-    print(json.dumps({"params_total": total_lm + n_vision, "params_active": active_lm + n_vision,
-                      "params_vision": n_vision, "params_language": total_lm, "layout": lay.describe(),
+    print(json.dumps({"params_total": total_lm + total_mtp + n_vision, "params_active": active_lm + n_vision,
+                      "params_vision": n_vision, "params_language": total_lm, "params_mtp": total_mtp,
+                      "layout": lay.describe(),
                       "gib_per_rank": {k: {key: round(v / GIB, 2) for key, v in r.items()} for k, r in rows.items()},
                       "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()},
                       "capacity_gib": round(capacity / GIB, 2), "fits": fit}))

@@ -1,8 +1,9 @@
-"""Hybrid Mamba2 / attention / MoE decoder (Nemotron-3-Nano family) and the VLM wiring around it.
+"""Hybrid Mamba2 / attention / MoE decoder (Nemotron 3 Nano and Super families) and the VLM wiring around it.
 
     h = embeddings(ids)                         # vocab-parallel, no position embedding
     for each layer (pattern char M * E -):  h = h + mixer(RMSNorm(h))
     logits = lm_head(norm_f(h))                 # untied, vocab-parallel; loss without a full-vocab gather
+    Super: LatentMoE experts (moe.py) and multi-token prediction (MTP, mtp_losses: docs/super.md §3-4)
 
 Module names equal the HF NemotronH checkpoint names (backbone.layers.{i}.mixer.…), except that a layer's routed
 experts are stacked into experts.up_proj [E, F, D] / experts.down_proj [E, D, F] for grouped GEMM.
@@ -24,6 +25,8 @@ import fused
 from fused import RMSNorm
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
+
+SEED = 20000   # the language model's weights are drawn from cfg.seed + SEED (train.py: seeds)
 
 
 class Attention(nn.Module):
@@ -118,6 +121,8 @@ class LanguageModel(nn.Module):
         self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
         comm.mark_shard(self.lm_head.weight, ("tp", 0, None))
+        if cfg.num_nextn_predict_layers:
+            self.mtp = MTP(cfg, groups, dispatcher)
         self.checkpoint_layers = False
 
     def embed(self, input_ids):
@@ -128,12 +133,31 @@ class LanguageModel(nn.Module):
         of packed rows; valid [B, L]: False on padding, which MoE layers neither count nor balance."""
         if torch.is_autocast_enabled(h_BLD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
             h_BLD = h_BLD.to(torch.get_autocast_dtype(h_BLD.device.type))
-        for layer in self.backbone.layers:
+        return self.backbone.norm_f(self._layers(self.backbone.layers, h_BLD, seq_idx, valid))
+
+    def _layers(self, layers, h_BLD, seq_idx, valid):
+        for layer in layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, valid, use_reentrant=False)
             else:
                 h_BLD = layer(h_BLD, seq_idx, valid)
-        return self.backbone.norm_f(h_BLD)
+        return h_BLD
+
+    def mtp_losses(self, hidden_BLD, h_BLD, labels_BL, seq_idx=None, valid=None):
+        """Multi-token prediction (docs/super.md §3-4): for depth k = 1 .. mtp.depths, the sum of its token
+        cross-entropies on the tokens k + 1 ahead. hidden: forward()'s output (depth 0); h: forward()'s input, the
+        embedded tokens with image rows placed (rolled left k: the token k ahead's). Depth k runs MTP block
+        (k - 1) mod num_nextn_predict_layers on cat[enorm(embedding), hnorm(previous depth)], through the shared
+        output head."""
+        sums, P = [], len(self.cfg.mtp_pattern)
+        for k in range(1, self.mtp.depths + 1):
+            b = (k - 1) % self.cfg.num_nextn_predict_layers
+            first, layers = self.mtp.layers[b * P], self.mtp.layers[b * P:(b + 1) * P]
+            e_BLD = h_BLD.roll(-k, 1).to(hidden_BLD.dtype)
+            x = first.eh_proj(torch.cat([first.enorm(e_BLD), first.hnorm(hidden_BLD)], -1))
+            hidden_BLD = layers[-1].final_layernorm(self._layers(layers, x, seq_idx, valid))
+            sums.append(self.loss_sum(hidden_BLD, mtp_labels(labels_BL, seq_idx, k))[0])
+        return sums
 
     def logits(self, hidden):
         """This rank's vocab slice of the logits (the full logits when tp = 1)."""
@@ -144,6 +168,40 @@ class LanguageModel(nn.Module):
         logits = self.logits(hidden).flatten(0, 1)
         losses = vocab_parallel_cross_entropy(logits, labels.flatten(), self.tp_group)
         return losses.sum(), (labels != -100).sum()
+
+
+class MTP(nn.Module):
+    """cfg.num_nextn_predict_layers blocks of cfg.mtp_pattern layers, flattened as HF names them: layer
+    b * len(mtp_pattern) + s is sublayer s of block b; a block's first layer also holds enorm, hnorm and eh_proj
+    ([D, 2D]: the embedding's columns first), its last final_layernorm (docs/super.md §3). Training runs
+    cfg.mtp_depths depths (default one a block); more depths than blocks share them."""
+
+    def __init__(self, cfg, groups, dispatcher):
+        super().__init__()
+        self.depths = mtp_depths(cfg)
+        self.layers = nn.ModuleList(Block(k, cfg, groups, dispatcher) for _ in range(cfg.num_nextn_predict_layers)
+                                    for k in cfg.mtp_pattern)
+        P, D = len(cfg.mtp_pattern), cfg.hidden_size
+        for b in range(cfg.num_nextn_predict_layers):
+            first, last = self.layers[b * P], self.layers[(b + 1) * P - 1]
+            first.enorm, first.hnorm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
+            first.eh_proj = nn.Linear(2 * D, D, bias=False)   # replicated over tp, as the residual stream is
+            last.final_layernorm = RMSNorm(D, cfg.norm_eps)
+
+
+def mtp_depths(cfg):
+    """How many MTP depths a run trains (0 without MTP blocks)."""
+    return cfg.mtp_depths or cfg.num_nextn_predict_layers
+
+
+def mtp_labels(labels_BL, seq_idx_BL, k):
+    """Depth k's targets: the labels rolled left k (token i + k + 1), none in the last k positions of a row or where
+    position i + k is in another document than i (packed rows). Works on the host (counts) and the device."""
+    out = labels_BL.roll(-k, -1)
+    out[..., -k:] = -100
+    if seq_idx_BL is not None:
+        out[seq_idx_BL.roll(-k, -1) != seq_idx_BL] = -100
+    return out
 
 
 def vocab_parallel_cross_entropy(logits_NV, targets_N, group=None):
@@ -229,11 +287,15 @@ def init_weights(model, seed, coords, cfg):
 
     coords: {"tp": (rank, size), "ep": ..., "etp": ...}; kinds left out are unsharded.
     """
-    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(len(cfg.hybrid_override_pattern))
     ranks, sizes = {k: r for k, (r, _) in coords.items()}, {k: n for k, (_, n) in coords.items()}
     for name, p in model.named_parameters():
-        rule = lambda shape, gen, name=name: _decoder_rule(name, shape, gen, std, out_std, cfg.conv_kernel)  # noqa
-        comm.init_shard(p, name, seed, rule, ranks, sizes)
+        comm.init_shard(p, name, seed, rule(name, cfg), ranks, sizes)
+
+
+def rule(name, cfg):
+    """How parameter `name` is drawn, as comm.draw takes it: (full shape, generator) -> tensor."""
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(len(cfg.hybrid_override_pattern))
+    return lambda shape, gen: _decoder_rule(name, shape, gen, std, out_std, cfg.conv_kernel)
 
 
 def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
@@ -260,14 +322,18 @@ def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
 
 # ---------------------------------------------------------------- parameter counts
 
-def count_language_params(cfg):
-    """(total, active per token) of the language model, embedding and LM head included, buffers excluded."""
+def count_language_params(cfg, mtp=False):
+    """(total, active per token) of the language model, embedding and LM head included, buffers excluded; mtp:
+    of its MTP blocks instead (active: one block's, what one depth runs)."""
     with torch.device("meta"):
         lm = LanguageModel(cfg)
-    total = sum(p.numel() for p in lm.parameters())
-    per_expert = 2 * cfg.hidden_size * cfg.moe_intermediate_size
-    idle = cfg.hybrid_override_pattern.count("E") * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
-    return total, total - idle
+    total = sum(p.numel() for n, p in lm.named_parameters() if n.startswith("mtp.") == mtp)
+    per_expert = 2 * (cfg.moe_latent_size or cfg.hidden_size) * cfg.moe_intermediate_size
+    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    if not mtp:
+        return total, total - cfg.hybrid_override_pattern.count("E") * idle
+    blocks = cfg.num_nextn_predict_layers
+    return total, (total // blocks - cfg.mtp_pattern.count("E") * idle) if blocks else 0
 
 
 # ---------------------------------------------------------------- FLOPs (for throughput and MFU)
@@ -278,13 +344,14 @@ def lm_flops_per_token(cfg, seq_len):
     matmuls: 6 * active matmul parameters (all active parameters except the embedding lookup);
     attention: causal scores + values, 2 * 2 * (seq/2) * heads * head_dim per layer, x3;
     SSD (chunk c, state s, head dim p): per head, intra-chunk scores and values 2 * (c/2) * (s + p) and state
-    in/out 2 * 2 * s * p, x3.
+    in/out 2 * 2 * s * p, x3. MTP: each depth one block and the output head again.
     """
-    _, active = count_language_params(cfg)
-    matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size)
-    n_attn, n_mamba = cfg.hybrid_override_pattern.count("*"), cfg.hybrid_override_pattern.count("M")
-    attn = 3 * n_attn * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
-    return matmul + attn + n_mamba * ssd_flops_per_token(cfg)
+    (_, active), (_, block), depths = count_language_params(cfg), count_language_params(cfg, mtp=True), \
+        mtp_depths(cfg)
+    matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size + depths * (block + cfg.vocab_size * cfg.hidden_size))
+    layers = cfg.hybrid_override_pattern + cfg.mtp_pattern * depths
+    attn = 3 * layers.count("*") * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
+    return matmul + attn + layers.count("M") * ssd_flops_per_token(cfg)
 
 
 def ssd_flops_per_token(cfg):

@@ -3,14 +3,17 @@
 Token flow of one MoE layer (x is replicated over the language tp group, as every activation between layers):
   router on all tokens (fp32, replicated)            -> topk ids [T, K], weights [T, K], seq aux loss (via grad)
   each tp rank keeps its 1/tp slice of the tokens     -> distinct tokens per rank, so ep/etp peers share work
+  LatentMoE (moe_latent_size): fc1_latent_proj of the slice -> the routed rows are latent-wide (Z < D)
   dispatch: sort by expert, all_to_all over ep (+ all-gather over etp), grouped GEMM, and back
-  combine: weight on the sender, sum each token's k rows (a gather), all-gather the tp slices
+  combine: weight on the sender, sum each token's k rows (a gather); LatentMoE: fc2_latent_proj back to D;
+           all-gather the tp slices
   + shared expert (tensor parallel like a dense MLP)
 
 Shape suffixes (x_TD is [T, D]): B batch, L sequence, D hidden size, E routed experts, F expert ffn width, T tokens
 (B x L, or this tp rank's slice of them), K experts per token, R routed rows (one per token and choice, sorted by
 expert), S source ranks of the exchange, J this rank's experts (E / ep), G groups of a grouped GEMM (this rank's
-experts), I and O a grouped GEMM's input and output widths (D and F, or F and D).
+experts), I and O a grouped GEMM's input and output widths (Z and F, or F and Z), Z the width the experts read and
+write (moe_latent_size under LatentMoE, else D).
 """
 import torch
 import torch.distributed as dist
@@ -108,30 +111,32 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's E/ep experts, stacked for grouped GEMM; each holds an F/etp slice of the ffn width."""
+    """This rank's E/ep experts, stacked for grouped GEMM; each holds an F/etp slice of the ffn width. They read and
+    write rows of the hidden size, or of the latent width under LatentMoE."""
 
     def __init__(self, cfg, ep_group=None, etp_group=None):
         super().__init__()
         n_local = cfg.n_routed_experts // comm.group_size(ep_group)
         f_local = cfg.moe_intermediate_size // comm.group_size(etp_group)
-        self.up_proj = nn.Parameter(torch.empty(n_local, f_local, cfg.hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(n_local, cfg.hidden_size, f_local))
+        width = cfg.moe_latent_size or cfg.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(n_local, f_local, width))
+        self.down_proj = nn.Parameter(torch.empty(n_local, width, f_local))
         comm.mark_shard(self.up_proj, ("ep", 0, None), ("etp", 1, None))
         comm.mark_shard(self.down_proj, ("ep", 0, None), ("etp", 2, None))
 
-    def forward(self, x_RD, counts):
+    def forward(self, x_RZ, counts):
         """x sorted by local expert, counts [n_local] rows per expert -> partial outputs (summed over etp later)."""
         lora = (self.lora_scale, self.lora_up_A, self.lora_up_B, self.lora_down_A, self.lora_down_B) \
             if hasattr(self, "lora_scale") else None   # lora.py's adapters, one pair per expert and projection
-        return expert_ffn(x_RD, self.up_proj, self.down_proj, counts, lora)
+        return expert_ffn(x_RZ, self.up_proj, self.down_proj, counts, lora)
 
 
-def expert_ffn(x_RD, w_up, w_down, counts, lora=None):
+def expert_ffn(x_RZ, w_up, w_down, counts, lora=None):
     """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection;
     lora (scale, up A, up B, down A, down B): + scale * B (A x) on each projection, grouped the same way."""
-    h = grouped_mm(x_RD, w_up, counts)
+    h = grouped_mm(x_RZ, w_up, counts)
     if lora is not None:
-        h = h + lora[0] * grouped_mm(grouped_mm(x_RD, lora[1], counts), lora[2], counts)
+        h = h + lora[0] * grouped_mm(grouped_mm(x_RZ, lora[1], counts), lora[2], counts)
     a = fused.squared_relu(h)
     y = grouped_mm(a, w_down, counts)
     if lora is not None:
@@ -161,6 +166,13 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg, ep_group, etp_group)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, tp_group)
+        if cfg.moe_latent_size:   # LatentMoE (Nemotron 3 Super): the routed rows travel and meet their experts in
+            # the latent width. The projections run on this tp rank's token slice (replicated weights whose
+            # gradient is a partial sum per tp rank: optim.py sums it over tp), so they add no collective
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
+            for lin in (self.fc1_latent_proj, self.fc2_latent_proj):
+                lin.weight.tp_partial = comm.group_size(tp_group) > 1
         if dispatcher not in ("alltoall", "deepep"):
             raise ValueError(f"unknown moe dispatcher {dispatcher!r} (alltoall | deepep)")
         self.deepep = DeepEPDispatch(ep_group, self.num_experts) if dispatcher == "deepep" else None
@@ -186,16 +198,18 @@ class MoE(nn.Module):
             weight = torch.ones(topk_idx.numel(), device=topk_idx.device) if valid_T is None else \
                 valid_T[:, None].expand(-1, K).reshape(-1).float()         # padding is routed, not counted
             self.gate.tokens_per_expert += count_per_expert(topk_idx.reshape(-1), self.num_experts, weight)
-        y_TD = (self.deepep or self._alltoall_dispatch)(x_TD, topk_idx, topk_w, self.experts)
-        y_TD = comm.all_gather_dim(y_TD, 0, self.tp_group)
+        latent = hasattr(self, "fc1_latent_proj")
+        x_TZ = self.fc1_latent_proj(x_TD) if latent else x_TD
+        y_TZ = (self.deepep or self._alltoall_dispatch)(x_TZ, topk_idx, topk_w, self.experts)
+        y_TD = comm.all_gather_dim(self.fc2_latent_proj(y_TZ) if latent else y_TZ, 0, self.tp_group)
         return y_TD.view(Bsz, L, D) + self.shared_experts(x_BLD)
 
-    def _alltoall_dispatch(self, x_TD, topk_idx, topk_w, experts):
+    def _alltoall_dispatch(self, x_TZ, topk_idx, topk_w, experts):
         """Dropless dispatch; routing weights stay on the sender and apply in the combine after the return trip."""
         K = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
-        x_send, unorder = gather_routed(x_TD, order, K)          # row i = token order[i] // K
+        x_send, unorder = gather_routed(x_TZ, order, K)          # row i = token order[i] // K
         cnt = count_per_expert(flat, self.num_experts, torch.ones_like(flat))
         if comm.group_size(self.ep_group) * comm.group_size(self.etp_group) == 1:
             y_back = experts(x_send, cnt)                        # one source: no exchange, no host sync
@@ -267,10 +281,10 @@ class _GatherRouted(torch.autograd.Function):
     """Routed copies x[order // K]; backward gathers the copies back to (token, k) order and sums over k."""
 
     @staticmethod
-    def forward(ctx, x_TD, order, unorder, K):
+    def forward(ctx, x_TZ, order, unorder, K):
         ctx.save_for_backward(unorder)
         ctx.K = K
-        return x_TD[order // K]
+        return x_TZ[order // K]
 
     @staticmethod
     def backward(ctx, grad):
@@ -279,32 +293,32 @@ class _GatherRouted(torch.autograd.Function):
         return fused.sum_routed(grad.contiguous(), unorder, ones_TK), None, None, None
 
 
-def gather_routed(x_TD, order, K):
+def gather_routed(x_TZ, order, K):
     unorder = inverse_permutation(order)
-    return _GatherRouted.apply(x_TD, order, unorder, K), unorder
+    return _GatherRouted.apply(x_TZ, order, unorder, K), unorder
 
 
 class _CombineRouted(torch.autograd.Function):
     """out[t] = sum_k w[t, k] * y[unorder[t*K + k]] in one pass; both gradients are gathers again (no atomics)."""
 
     @staticmethod
-    def forward(ctx, y_RD, w_TK, order, unorder):
-        ctx.save_for_backward(y_RD, w_TK, order, unorder)
-        return fused.sum_routed(y_RD, unorder, w_TK)
+    def forward(ctx, y_RZ, w_TK, order, unorder):
+        ctx.save_for_backward(y_RZ, w_TK, order, unorder)
+        return fused.sum_routed(y_RZ, unorder, w_TK)
 
     @staticmethod
-    def backward(ctx, g_TD):
-        y_RD, w_TK, order, unorder = ctx.saved_tensors
-        g_TD = g_TD.contiguous()
-        grad_y = fused.spread_to_routed(g_TD, order, w_TK) if ctx.needs_input_grad[0] else None
-        grad_w = fused.routed_dots(y_RD, unorder, g_TD) if ctx.needs_input_grad[1] else None
+    def backward(ctx, g_TZ):
+        y_RZ, w_TK, order, unorder = ctx.saved_tensors
+        g_TZ = g_TZ.contiguous()
+        grad_y = fused.spread_to_routed(g_TZ, order, w_TK) if ctx.needs_input_grad[0] else None
+        grad_w = fused.routed_dots(y_RZ, unorder, g_TZ) if ctx.needs_input_grad[1] else None
         return grad_y, grad_w, None, None
 
 
-def combine_routed(y_RD, w_TK, order, unorder):
+def combine_routed(y_RZ, w_TK, order, unorder):
     """Routed rows (in `order`, i.e. sorted by expert) back to tokens: the routing-weighted sum over each
     token's k copies."""
-    return _CombineRouted.apply(y_RD, w_TK, order, unorder)
+    return _CombineRouted.apply(y_RZ, w_TK, order, unorder)
 
 
 def _source_to_expert_order(cnt_SJ, R):
@@ -329,25 +343,25 @@ class DeepEPDispatch:
                              "torch/CUDA); it is not installed. Use --moe-dispatcher alltoall.") from e
         self.deep_ep, self.group, self.num_experts, self.buffer = deep_ep, ep_group, num_experts, None
 
-    def __call__(self, x_TD, topk_idx, topk_w, experts):
+    def __call__(self, x_TZ, topk_idx, topk_w, experts):
         if self.buffer is None:
-            hidden_bytes = x_TD.shape[1] * max(x_TD.element_size(), 2)
+            hidden_bytes = x_TZ.shape[1] * max(x_TZ.element_size(), 2)
             n = dist.get_world_size(self.group)
             cfgs = (self.deep_ep.Buffer.get_dispatch_config(n), self.deep_ep.Buffer.get_combine_config(n))
             nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, n) for c in cfgs)
             self.buffer = self.deep_ep.Buffer(self.group, nvl, 0)
-        return _DeepEPRoundTrip.apply(x_TD, topk_idx, topk_w, experts.up_proj, experts.down_proj, self)
+        return _DeepEPRoundTrip.apply(x_TZ, topk_idx, topk_w, experts.up_proj, experts.down_proj, self)
 
 
 class _DeepEPRoundTrip(torch.autograd.Function):
     """dispatch -> local experts (weighted by received probs) -> combine; backward mirrors it with the handle."""
 
     @staticmethod
-    def forward(ctx, x_TD, topk_idx, topk_w, w_up, w_down, disp):
+    def forward(ctx, x_TZ, topk_idx, topk_w, w_up, w_down, disp):
         buf = disp.buffer
         n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(topk_idx, disp.num_experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-            x_TD, topk_idx=topk_idx, topk_weights=topk_w.float(), num_tokens_per_rank=n_rank,
+            x_TZ, topk_idx=topk_idx, topk_weights=topk_w.float(), num_tokens_per_rank=n_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
         with torch.enable_grad():
             recv_x = recv_x.detach().requires_grad_()

@@ -190,6 +190,8 @@ class VisionModel(nn.Module):
         self.mlp1 = nn.ModuleDict({"0": fused.RMSNorm(4 * C, eps=1e-5),
                                    "1": _linear(4 * C, cfg.projector_hidden, bias=False),
                                    "3": _linear(cfg.projector_hidden, cfg.hidden_size, bias=False)})
+        if cfg.num_nextn_predict_layers:   # Megatron gives every block built from a config with MTP a final norm, the
+            self.final_layernorm = nn.LayerNorm(C, eps=1e-6)   # tower too: its features, before the shuffle (3.5 Super VL)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -241,6 +243,8 @@ class VisionModel(nn.Module):
             return self.mlp1["3"].weight.new_zeros(0, self.cfg.hidden_size)
         grids = [(int(h), int(w)) for h, w in grids]
         x_TC = self.features(patches, grids)
+        if hasattr(self, "final_layernorm"):
+            x_TC = fused.layer_norm(x_TC, self.final_layernorm)
         x_QX = torch.cat([pixel_shuffle(c, h, w) for c, (h, w) in zip(x_TC.split([h * w for h, w in grids]), grids)])
         return self.project(x_QX)
 
@@ -249,6 +253,8 @@ def hf_name(key):
     """This module's full (unsharded) state-dict key -> HF Nemotron-VL key (docs/vision.md §10)."""
     if key.startswith("mlp1."):
         return key
+    if key.startswith("final_layernorm."):
+        return "vision_projector.vision_final_layernorm." + key.split(".", 1)[1]
     special = {"embedder.weight": "patch_generator.embedder.weight", "pos_embed": "patch_generator.pos_embed",
                "cls_token": "patch_generator.cls_token.token"}
     return "vision_model.radio_model.model." + special.get(key, key)

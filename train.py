@@ -190,6 +190,8 @@ class Run:
     flops: int = 0                       # model FLOPs this rank counted in the current step (MFU)
     real_tokens: int = 0                 # non-padding tokens of this language lane in the current step
     expert_counts: torch.Tensor = None   # per MoE layer and expert, the current step's routed tokens
+    mtp_weights: list = None             # per MTP depth: the weight of its token losses in this step's backward
+    mtp_sums: list = None                # per MTP depth: this lane's sum of its token losses in this step
 
     @property
     def modules(self):
@@ -244,7 +246,7 @@ def setup(cfg, inv, lay, start, device):
             run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp},
                                          cfg.moe_dispatcher)
         coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
-        model.init_weights(run.lm, cfg.seed + 20000, coords, cfg)
+        model.init_weights(run.lm, cfg.seed + model.SEED, coords, cfg)
         run.lm.checkpoint_layers = cfg.activation_checkpointing
         for m in run.lm.modules():
             if isinstance(m, moe.Router):
@@ -314,9 +316,13 @@ def microbatch(run, ds, first, train):
             h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
             if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
                 h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
-            s, _ = run.lm.loss_sum(run.lm(h, seq_idx, valid), labels)
+            hidden = run.lm(h, seq_idx, valid)
+            s, _ = run.lm.loss_sum(hidden, labels)
+            if train and run.mtp_weights:   # weighted so the step's gradient is scale / D x sum_k (mean loss of k)
+                mtp = run.lm.mtp_losses(hidden, h, labels, seq_idx, valid)
+                run.mtp_sums = [a + b.detach().float() for a, b in zip(run.mtp_sums, mtp)]
         if train:
-            s.backward()
+            (s + sum(w * m for w, m in zip(run.mtp_weights, mtp)) if run.mtp_weights else s).backward()
             run.bridge.send_grad()
             if par.lm.tp_rank == 0:
                 run.flops += ids.numel() * model.lm_flops_per_token(cfg, cfg.seq_len)
@@ -327,23 +333,27 @@ def microbatch(run, ds, first, train):
     return loss_sum
 
 
-def global_token_count(par, local_tokens):
-    """N_global: loss-mask tokens over all language lanes and micro-batches of the step, known on every rank.
-    `local_tokens` is this language lane's count (anything on vision-only ranks): only a lane's tp-0 / cp-0 /
-    last-pp rank contributes, and one SUM over WORLD makes the total known on both grids (colocated too)."""
+def global_token_count(par, local_counts):
+    """Token counts over all language lanes and micro-batches of the step, known on every rank: N_global (loss
+    tokens) and the like. `local_counts` is this language lane's list (anything of its length on vision-only
+    ranks): only a lane's tp-0 / cp-0 / last-pp rank contributes, and one SUM over WORLD makes the totals known on
+    both grids (colocated too)."""
     m = par.lm
     lead = m is not None and m.tp_rank == 0 and m.cp_rank == 0 and m.pp_rank == m.pp_size - 1
-    t = torch.tensor([int(local_tokens) if lead else 0], dtype=torch.int64, device=comm.device())
+    t = torch.tensor([int(n) if lead else 0 for n in local_counts], dtype=torch.int64, device=comm.device())
     dist.all_reduce(t)
-    return int(t.item())
+    return t.tolist()
 
 
-def lane_tokens(run, ds, first_sample, n_micro):
-    """Loss tokens of this language lane's samples in n_micro micro-batches from first_sample (0 off language)."""
+def lane_tokens(run, ds, first_sample, n_micro, depths=0):
+    """[loss tokens, then each MTP depth's targets] of this language lane's samples in n_micro micro-batches from
+    first_sample (zeros off language)."""
     if run.lm is None:
-        return 0
+        return [0] * (1 + depths)
     own, spm = parallel.lane_samples(run.lay, "lm", run.par.lm.dp_rank), run.lay.samples_per_microbatch
-    return sum(int((ds[first_sample + m * spm + i].labels != -100).sum()) for m in range(n_micro) for i in own)
+    samples = [ds[first_sample + m * spm + i] for m in range(n_micro) for i in own]
+    return [sum(int((model.mtp_labels(s.labels, s.seq_idx, k) if k else s.labels).ne(-100).sum()) for s in samples)
+            for k in range(1 + depths)]
 
 
 def reduce_loss(run, loss_sum):
@@ -366,7 +376,11 @@ def train_step(run, step, stop):
     batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
     if isinstance(run.train_data, failsafe.SkipBad):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
-    n_global = global_token_count(run.par, lane_tokens(run, batch, base, n_micro))
+    depths = model.mtp_depths(cfg)
+    n_global, *n_mtp = global_token_count(run.par, lane_tokens(run, batch, base, n_micro, depths))
+    # MTP: each depth's token losses weighted so that after the division by N_global they add scale / D x its mean
+    run.mtp_weights = [n_global * cfg.mtp_loss_scale / (depths * max(n, 1)) for n in n_mtp]
+    run.mtp_sums = [torch.zeros((), device=run.device) for _ in n_mtp]
     if lm is not None:
         moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
     loss_sum = torch.zeros((), device=run.device)
@@ -399,10 +413,11 @@ def train_step(run, step, stop):
     c["step"] = step + 1
     run.opt.zero_grad()
     loss = reduce_loss(run, loss_sum) / max(n_global, 1)
+    mtp = [reduce_loss(run, s) / max(n, 1) for s, n in zip(run.mtp_sums, n_mtp)]   # logged apart, per depth
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return {"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr, "ok": ok,
-            "step_time_s": time.perf_counter() - t0}
+            "step_time_s": time.perf_counter() - t0, **({"mtp_loss": mtp} if mtp and lm is not None else {})}
 
 
 def evaluate(run):
@@ -416,10 +431,10 @@ def evaluate(run):
         for first in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
             batch = run.eval_loader.step(first, 1)
             total += microbatch(run, batch, first, train=False)
-            tokens += lane_tokens(run, batch, first, 1)
+            tokens += lane_tokens(run, batch, first, 1)[0]
     for m in run.modules.values():
         m.train()
-    n = global_token_count(run.par, tokens)
+    n, = global_token_count(run.par, [tokens])
     loss = reduce_loss(run, total) / max(n, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
             "eval_samples": run.eval_set.n}
@@ -431,7 +446,7 @@ def step_record(run, h, log):
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
     h["model_flops"] = sum(f for _, f in per_rank)
-    h["tokens"] = tokens = global_token_count(run.par, run.real_tokens)
+    h["tokens"] = tokens = global_token_count(run.par, [run.real_tokens])[0]
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
@@ -440,7 +455,7 @@ def step_record(run, h, log):
            "step_time_s": dt, "elapsed_s": elapsed,
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
-           "peak_mem_gib_per_rank": [m for m, _ in per_rank]}
+           "peak_mem_gib_per_rank": [m for m, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}
     if run.expert_counts is not None and cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0:
         rec["moe"] = logs.moe_stats(run.expert_counts)
     return rec

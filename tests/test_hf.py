@@ -23,6 +23,7 @@ VARIANTS = {
     "tiny": {},
     "moe16": dict(hybrid_override_pattern="ME*EM-E", n_routed_experts=16, num_experts_per_tok=6,
                   num_key_value_heads=1, n_groups=1, routed_scaling_factor=1.7),
+    "latent": dict(moe_latent_size=24),   # LatentMoE: routed experts 24 wide in a 64-wide model
 }
 
 
@@ -35,6 +36,9 @@ def build_lm(seed=0, hf_ready=False, **overrides):
         for name, buf in lm.named_buffers():   # a nonzero expert bias, large enough to change the top-k choice
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+        for name, p in lm.named_parameters():   # LatentMoE at init: two small projections would hide the experts
+            if "latent_proj" in name:
+                p.mul_(20.0)
         if hf_ready:
             # HF 5.x's torch Mamba path clamps dt at time_step_min (its time_step_limit is (time_step_min, inf));
             # ours, like the CUDA kernels and Megatron, does not clamp. Our init puts softplus(dt_bias) at 1e-3
@@ -128,7 +132,7 @@ def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
         assert sorted(index["weight_map"]) == sorted(hf_keys)
         assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in hf_keys.values())
     # original HF names: one tensor per expert, [F, D] up / [D, F] down, fp32 expert bias
-    E, F_, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    E, F_, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_latent_size or cfg.hidden_size
     moe_layer = cfg.hybrid_override_pattern.index("E")
     stacked = lm.backbone.layers[moe_layer].mixer.experts
     for j in range(E):
@@ -169,9 +173,11 @@ def test_import_strictness(tmp_path):
     hf_interop.export_hf(cfg, full(lm.state_dict()), tmp_path)
     path = tmp_path / "model.safetensors"
     t = load_file(path)
-    t["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(2, 2)   # MTP head: ignored, like HF does
+    t["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(2, 2)   # an MTP block its config does not announce
     save_file(t, path)
-    hf_interop.import_hf(tmp_path)
+    with pytest.raises(ValueError, match=r"unexpected tensor mtp\.layers\.0\.mixer\.q_proj\.weight"):
+        hf_interop.import_hf(tmp_path)
+    del t["mtp.layers.0.mixer.q_proj.weight"]
     t["backbone.layers.0.mixer.bogus"] = torch.zeros(2)
     save_file(t, path)
     with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor backbone\.layers\.0\.mixer\.bogus"):
@@ -221,13 +227,16 @@ def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
     assert (our_logits(lm, ids) - theirs).abs().max() > 1e-3
 
 
-def test_import_of_transformers_save_pretrained(tmp_path):
+@pytest.mark.parametrize("latent", [None, 24], ids=["moe", "latent-moe"])
+def test_import_of_transformers_save_pretrained(tmp_path, latent):
+    """latent-moe: LatentMoE (Nemotron 3 Super's moe_latent_size), the routed experts 24 wide in a 64-wide model."""
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.NemotronHConfig(
         vocab_size=512, hidden_size=64, hybrid_override_pattern="M*EM-E", num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
         conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=48, intermediate_size=40, routed_scaling_factor=2.5)
+        moe_shared_expert_intermediate_size=48, intermediate_size=40, routed_scaling_factor=2.5,
+        moe_latent_size=latent)
     torch.manual_seed(0)
     hf = transformers.NemotronHForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -241,12 +250,13 @@ def test_import_of_transformers_save_pretrained(tmp_path):
     # `layers_block_type` instead of `hybrid_override_pattern`
     written = load_file(tmp_path / "model.safetensors")
     assert "backbone.layers.2.mixer.experts.7.up_proj.weight" in written
+    assert ("backbone.layers.2.mixer.fc1_latent_proj.weight" in written) == (latent is not None)
     assert "hybrid_override_pattern" not in json.loads((tmp_path / "config.json").read_text())
 
     cfg, sd = hf_interop.import_hf(tmp_path, image_token_id=511)
     sd = checkpoint.language_state_dict(sd)
     assert cfg.hybrid_override_pattern == "M*EM-E" and cfg.moe_shared_expert_intermediate_size == 48
-    assert cfg.init_std == 0.02 and cfg.intermediate_size == 40
+    assert cfg.init_std == 0.02 and cfg.intermediate_size == 40 and cfg.moe_latent_size == latent
     lm = model.LanguageModel(cfg)
     checkpoint.load_into(lm, sd, str(tmp_path))
     lm.eval()

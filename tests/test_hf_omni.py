@@ -61,24 +61,29 @@ def make_tokenizer(path, template):
     return tok
 
 
-@pytest.fixture(scope="module")
-def omni(tmp_path_factory):
-    """(directory, transformers model): a tiny Omni saved by transformers in 100 KB shards, with a tokenizer."""
-    d = tmp_path_factory.mktemp("omni")
+def tiny_omni(text_config, matter=("vision_model", "projector")):
+    """A transformers Omni of `text_config` and VISION, its weights set so every part shows in the logits: the
+    parameters whose names hold a `matter` string drawn larger (vision outputs, and what else a test needs)."""
     torch.manual_seed(0)
-    hf_cfg = transformers.NemotronH_Omni_Reasoning_V3_Config(
-        text_config=TEXT, vision_config=VISION, projector_hidden_size=128, vision_hidden_size=32,
-        image_token_id=IMAGE_ID)
-    hf = transformers.NemotronH_Omni_Reasoning_V3(hf_cfg).eval()
+    hf = transformers.NemotronH_Omni_Reasoning_V3(transformers.NemotronH_Omni_Reasoning_V3_Config(
+        text_config=text_config, vision_config=VISION, projector_hidden_size=128, vision_hidden_size=32,
+        image_token_id=IMAGE_ID)).eval()
     with torch.no_grad():
         for name, t in list(hf.named_parameters()) + list(hf.named_buffers()):
             if name.endswith("dt_bias"):
                 t.add_(3.0)                     # test_hf.build_lm: keep clear of HF's dt clamp
             elif name.endswith("e_score_correction_bias"):
                 t.copy_(torch.randn(t.shape) * 0.1)
-            elif ("vision_model" in name or "projector" in name) and t.is_floating_point() \
-                    and "layer_scale" not in name:
-                t.copy_(torch.randn(t.shape) * (0.3 if t.ndim > 1 else 1.0))   # vision outputs matter
+            elif any(m in name for m in matter) and t.is_floating_point() and "layer_scale" not in name:
+                t.copy_(torch.randn(t.shape) * (0.3 if t.ndim > 1 else 1.0))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """(directory, transformers model): a tiny Omni saved by transformers in 100 KB shards, with a tokenizer."""
+    d = tmp_path_factory.mktemp("omni")
+    hf = tiny_omni(TEXT)
     hf.save_pretrained(d, max_shard_size="100KB")
     make_tokenizer(d, TEMPLATES["markers"])
     assert os.path.exists(d / hf_interop.INDEX_NAME)
@@ -301,8 +306,8 @@ def test_bad_directories_are_named(omni, tmp_path):
                           (dict(downsample_ratio=0.25), "downsample_ratio=0.25"),
                           (dict(vision_config={**hf["vision_config"], "norm_mean": [0.5, 0.5, 0.5]}),
                            r"vision_config\.norm_mean=\[0\.5, 0\.5, 0\.5\]"),
-                          (dict(text_config={**hf["text_config"], "num_nextn_predict_layers": 1}),
-                           "text_config.num_nextn_predict_layers=1"),
+                          (dict(text_config={**hf["text_config"], "mtp_layers_block_type": ["moe", "conv"]}),
+                           r"text_config\.MTP pattern 'E\?'"),
                           (dict(vision_hidden_size=64), "vision_hidden_size=64")]:
         (bad / "config.json").write_text(json.dumps({**hf, **change}))
         with pytest.raises(ValueError, match=match) as e:

@@ -230,7 +230,7 @@ def _check_grads(rank, world):
         # token count: each language lane counts once; vision-only ranks pass garbage that must be ignored
         lanes_tokens = {d: 10 + 7 * d for d in range(lay.lm_dp)}
         local = lanes_tokens[par.lm.dp_rank] if par.in_lm else 999
-        n_global = train.global_token_count(par, local)
+        n_global, = train.global_token_count(par, [local])
         assert n_global == sum(lanes_tokens.values())
 
         # the whole step: reduce, divide by N_global, norm, clip to half

@@ -28,9 +28,9 @@ def _groups(world, tp, ep, etp):
     return mine
 
 
-def _check(rank, world, tp, ep, etp):
+def _check(rank, world, tp, ep, etp, latent):
     torch.manual_seed(0)
-    cfg = config.resolve("tiny")
+    cfg = config.resolve("tiny", {"moe_latent_size": latent})
     ref = model.LanguageModel(cfg)
     model.init_weights(ref, 7, {}, cfg)
     g = _groups(world, tp, ep, etp)
@@ -57,6 +57,8 @@ def _check(rank, world, tp, ep, etp):
         grad = p.grad.clone()
         is_expert = any(k == "ep" for k, _, _ in getattr(p, "shards", ()))
         dist.all_reduce(grad, group=g["edp" if is_expert else "dp"][0])
+        if getattr(p, "tp_partial", False):   # LatentMoE's projections see a token slice per tp rank (optim.py)
+            dist.all_reduce(grad, group=g["tp"][0])
         full = q.grad
         for kind, dim, seg in getattr(p, "shards", ()):
             full = comm.shard(full, dim, *coords[kind], seg)
@@ -64,7 +66,9 @@ def _check(rank, world, tp, ep, etp):
     return total.item()
 
 
-@pytest.mark.parametrize("tp,ep,etp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)])
-def test_parallel_language_model_matches_single_device(tp, ep, etp):
-    losses = run_distributed(_check, 4, tp, ep, etp)
+@pytest.mark.parametrize("tp,ep,etp,latent", [(2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (2, 1, 2, None),
+                                              (1, 2, 2, None), (2, 1, 1, 24), (1, 2, 1, 24), (2, 2, 2, 24)])
+def test_parallel_language_model_matches_single_device(tp, ep, etp, latent):
+    """latent: LatentMoE, the routed experts 24 wide (the projections' tp-partial gradients summed over tp)."""
+    losses = run_distributed(_check, 4, tp, ep, etp, latent)
     assert len(set(round(x, 5) for x in losses)) == 1

@@ -163,3 +163,18 @@ def test_fine_tune_from_the_super_vl_directory(super_vl):
     (hist,) = run_distributed(lambda r, w: train.main(["--load", str(d), "--preset", "tiny", "--steps", "2",
                                                         "--global-batch", "2", "--mock-image-size", "32"])[0], 1)
     assert [len(h["mtp_loss"]) for h in hist] == [1, 1] and all(0 < h["mtp_loss"][0] < 10 for h in hist)
+
+
+def test_language_only_export_keeps_mtp_weights(tmp_path):
+    """nemotron_h (no tower): LatentMoE and MTP weights out under their published names and back bit for bit."""
+    cfg = config.resolve("tiny", dict(moe_latent_size=16, num_nextn_predict_layers=1))
+    lm = model.LanguageModel(cfg)
+    model.init_weights(lm, 5, {}, cfg)
+    sd = {"language." + k: v for k, v in lm.state_dict().items()}
+    hf_interop.export_hf(cfg, sd, tmp_path)
+    written = load_file(tmp_path / "model.safetensors")
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.1.mixer.fc2_latent_proj.weight",
+            "mtp.layers.1.mixer.experts.3.down_proj.weight"} <= set(written)
+    cfg2, sd2 = hf_interop.import_hf(tmp_path, preset="tiny", image_token_id=cfg.image_token_id)
+    assert all(getattr(cfg2, k) == getattr(cfg, k) for k in config.MODEL_FIELDS)
+    assert sorted(sd2) == sorted(sd) and all(torch.equal(sd[k], sd2[k]) for k in sd)

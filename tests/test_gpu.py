@@ -64,9 +64,12 @@ def test_grouped_mm_matches_loop_bf16():
 
 
 @cuda
-@pytest.mark.parametrize("preset", ["tiny", "small"])
-def test_language_model_gpu_matches_cpu_fp32(preset):
-    cfg = config.resolve(preset)
+@pytest.mark.parametrize("preset,over", [("tiny", {}), ("small", {}), ("small", dict(
+    moe_latent_size=64, num_nextn_predict_layers=1, mtp_depths=2))], ids=["tiny", "small", "small-latent-mtp"])
+def test_language_model_gpu_matches_cpu_fp32(preset, over):
+    """small-latent-mtp: Nemotron 3 Super's LatentMoE (grouped GEMMs in the latent width) and two MTP depths sharing
+    one block, their losses in the objective."""
+    cfg = config.resolve(preset, over)
     lm_cpu = model.LanguageModel(cfg)
     model.init_weights(lm_cpu, 0, {}, cfg)
     lm_gpu = model.LanguageModel(cfg).cuda()
@@ -75,7 +78,11 @@ def test_language_model_gpu_matches_cpu_fp32(preset):
     seq_idx = torch.cat([torch.zeros(2, 77), torch.ones(2, 123)], 1).long()
     losses = []
     for lm, dev in ((lm_cpu, "cpu"), (lm_gpu, "cuda")):
-        s, n = lm.loss_sum(lm(lm.embed(ids.to(dev)), seq_idx.to(dev)), ids.to(dev))
+        h = lm.embed(ids.to(dev))
+        hidden = lm(h, seq_idx.to(dev))
+        s, n = lm.loss_sum(hidden, ids.to(dev))
+        if cfg.num_nextn_predict_layers:
+            s = s + sum(lm.mtp_losses(hidden, h, ids.to(dev), seq_idx.to(dev)))
         (s / n).backward()
         losses.append((s / n).item())
     assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[0])

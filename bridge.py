@@ -15,9 +15,10 @@ from parallel import lane_samples, lanes, lm_grid, vision_grid
 #
 # Encoder rows are [rows, D] with a variable row count per sample (dynamic resolution; 0 for text-only samples).
 # The encoder lane leader (its LAST tp rank) sends each link a header int64[microbatch, dtype, rows, D, rows of each
-# sample] and then the payload, point to point over the bridge group. The language lane leader (tp rank 0) receives
-# its links in lane order, concatenates, and broadcasts header and payload in its lane's tp group. Backward runs the
-# same links in reverse: the language leader sends each link its slice of the gradient, the encoder leader
+# sample] and then the payload, point to point over the bridge group. The language lane leader (tp and cp rank 0)
+# receives its links in lane order, concatenates, and broadcasts header and payload in its lane's tp-cp group (each cp
+# rank places the rows its positions hold: model.place_images). Backward runs the same links in reverse: the
+# language leader sums the gradient over its cp ranks, sends each link its slice of it, the encoder leader
 # concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
 # Backward needs no header: both leaders recorded the per-link row counts in forward.
 #
@@ -178,29 +179,33 @@ class Bridge:
             x = torch.cat(parts)
             self._splits = [h[2] for h in heads]
             head = [self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]]
-        tp = self.par.lm.tp
-        if dist.get_world_size(tp) > 1:        # the leader shares header and payload with its tp partners
+        lane = self.par.lm.tp_cp
+        if dist.get_world_size(lane) > 1:      # the leader shares header and payload with its tp and cp partners
             if self.in_links:
                 header = torch.tensor(head, dtype=torch.int64, device=self.device)
             else:
                 header = torch.empty(4 + self.lay.micro_batch, dtype=torch.int64, device=self.device)
-            dist.broadcast(header, src=self.lm_leader, group=tp)
+            dist.broadcast(header, src=self.lm_leader, group=lane)
             if not self.in_links:
                 head = header.tolist()
                 x = torch.empty(head[2], head[3], dtype=DTYPES[head[1]], device=self.device)
-            dist.broadcast(x, src=self.lm_leader, group=tp)
+            dist.broadcast(x, src=self.lm_leader, group=lane)
         self.received += 1
         self._x = x.requires_grad_(True)
         return self._x, head[4:]
 
     def send_grad(self):
-        """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none)."""
+        """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none),
+        summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp ranks agree)."""
         x, self._x = self._x, None
         if self.lay.colocated:
             return
         assert x is not None, "send_grad without recv"
+        m = self.par.lm
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        if m.cp_size > 1 and m.tp_rank == 0:
+            dist.reduce(grad, dst=self.lm_leader, group=m.cp)
         if self.in_links:
-            grad = x.grad if x.grad is not None else torch.zeros_like(x)
             reqs = [dist.isend(g.contiguous(), ln.src_leader, group=self.par.bridge, tag=TAG_GRAD)
                     for ln, g in zip(self.in_links, grad.detach().split(self._splits))]
             for r in reqs:

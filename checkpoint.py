@@ -45,7 +45,7 @@ FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "vision." / "language." + module key
 
-GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp")
+GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp")
 
 
 # ---------------------------------------------------------------- names, slices, files
@@ -236,7 +236,7 @@ class Saver:
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
         rank_state, lanes = {"rank": self.rank, "rng": _rng_json(rng_state()), "data": data_state}, [None] * world
-        dist.all_gather_object(lanes, None if lm is None or lm.tp_rank else {   # every language lane's position
+        dist.all_gather_object(lanes, None if lm is None or lm.tp_rank or lm.cp_rank else {   # each lane's position
             "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
             "state": data_state})
         meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world,

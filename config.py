@@ -126,6 +126,7 @@ class Config:
     lm_dp: int | None = None
     lm_ep: int | None = None
     lm_etp: int | None = None
+    lm_cp: int | None = _f(None, "context parallel: each language rank of a lane holds 1/N of every sequence (cp.py)")
     colocated: bool | None = _f(None, "both modules on every rank")
     # ---- logging ----
     log_every: int = 1
@@ -159,7 +160,7 @@ MODEL_FIELDS = LANGUAGE_FIELDS + VISION_FIELDS + ("image_token_id",)
 # ... and what a resumed run may not change besides: the adapters, the preset behind the defaults, the tokenizer
 # (compared by content: resume.py).
 FIXED_ON_RESUME = MODEL_FIELDS + ("preset", "lora_rank", "lora_alpha", "lora_targets", "tokenizer")
-LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "colocated")
+LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "colocated")
 
 
 VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 2x2 pixel shuffle)
@@ -299,7 +300,7 @@ RANGES = [
      ">= 0"),
     (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
       "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
-      "lm_ep", "lm_etp", "moe_latent_size", "mtp_depths"), 1, ">= 1"),
+      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
       "mtp_loss_scale"), 0.0, ">= 0"),
 ]

@@ -7,9 +7,10 @@ the grids and groups).
 The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout
 (config.REFERENCE_LAYOUTS) on its world size if it fits, else, of the colocated layouts on WORLD_SIZE ranks that fit
 (memory.required: the training peak within 92 % of a rank's memory, the set-up peak within 95 %), the one that
-moves the fewest bytes per rank per step, smaller tp, ep, etp on a tie. Fitting comes first because a layout that
-does not fit does not run; among those that do, communication is what the layout changes (the FLOPs per rank are
-the same). The cost model counts what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks
+moves the fewest bytes per rank per step, smaller tp, cp, ep, etp on a tie; layouts with context parallelism only
+when none without it fits. Fitting comes first because a layout that does not fit does not run; among those that
+do, communication is what the layout changes (the FLOPs per rank are the same, except that the cp ranks of a
+colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks
 sends 2 (g-1)/g B, an all-gather, reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens,
 S the tower's tokens of a micro-batch (memory.py's counts) and a layer pass = forward, backward, and under
 --activation-checkpointing the recomputed forward:
@@ -17,10 +18,13 @@ S the tower's tokens of a micro-batch (memory.py's counts) and a layer pass = fo
                 shared expert's, and an all-gather of its routed rows); the embedding's and lm_head's, one each
   ep, etp       per micro-batch and MoE layer pass the dispatch and combine all-to-all of the T k / tp routed rows
                 over ep, and with etp > 1 those rows sent to the etp - 1 others and back
+  language cp   per micro-batch and attention layer pass this rank's K and V to the cp - 1 others (the backward:
+                their gradients back), per Mamba layer pass the all-to-alls of its in_proj rows to head-sharded whole
+                rows and of its output back (docs/cp.md); the tp terms above count this rank's T / cp tokens
   vision tp     per micro-batch two all-reduces of the S x C activation per block forward, two backward when the
                 tower trains
   dp            per step the trained parameters' fp32 gradient reduce-scatter and weight all-gather (bf16 on CUDA)
-                over their domain (vision dp, language dp, edp); plain AdamW: an fp32 all-reduce
+                over their domain (vision dp, language dp x cp, edp); plain AdamW: an fp32 all-reduce
 Bandwidths, latency and overlap are left out: the model ranks layouts, it does not time them.
 """
 import dataclasses
@@ -34,7 +38,8 @@ MAX_WORLD = 1024    # the largest world size remedy() tries
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of both grids. cp and pp are kept as dims of the language grid but must be 1 in this version."""
+    """Sizes of both grids. pp is kept as a dim of the language grid but must be 1 in this version. Colocated, the
+    vision grid has the language grid's cp too: the cp ranks of a lane encode the same images (vision_cp)."""
     world: int
     colocated: bool
     vision_tp: int
@@ -49,8 +54,12 @@ class Layout:
     lm_pp: int = 1
 
     @property
+    def vision_cp(self):
+        return self.lm_cp if self.colocated else 1
+
+    @property
     def vision_size(self):
-        return self.vision_tp * self.vision_dp
+        return self.vision_tp * self.vision_cp * self.vision_dp
 
     @property
     def lm_size(self):
@@ -77,7 +86,8 @@ class Layout:
         return self.global_batch // self.samples_per_microbatch
 
     def describe(self):
-        vision = f"vision {self.vision_size} (tp{self.vision_tp} x dp{self.vision_dp})"
+        cp = f" x cp{self.vision_cp}" if self.vision_cp > 1 else ""
+        vision = f"vision {self.vision_size} (tp{self.vision_tp}{cp} x dp{self.vision_dp})"
         lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}; "
               f"experts etp{self.lm_etp} x ep{self.lm_ep} x edp{self.lm_edp})")
         if self.colocated:
@@ -88,7 +98,8 @@ class Layout:
 def check_layout(lay, cfg):
     """Every rule of docs/parallel.md §1 (decision D2) plus the model's divisibility needs. Raises one SystemExit
     listing all problems."""
-    vision = f"vision {lay.vision_size} (tp{lay.vision_tp} x dp{lay.vision_dp})"
+    cp, vcp = lay.lm_cp, f" x cp{lay.vision_cp}" if lay.vision_cp > 1 else ""
+    vision = f"vision {lay.vision_size} (tp{lay.vision_tp}{vcp} x dp{lay.vision_dp})"
     lm = f"language {lay.lm_size} (tp{lay.lm_tp} x cp{lay.lm_cp} x dp{lay.lm_dp} x pp{lay.lm_pp})"
     errors = []
     if lay.colocated:
@@ -106,8 +117,20 @@ def check_layout(lay, cfg):
     if bad:  # the checks below divide by these
         raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
                          + "".join(f"; {e}" for e in errors))
-    if lay.lm_cp != 1 or lay.lm_pp != 1:
-        errors.append(f"language cp{lay.lm_cp} pp{lay.lm_pp}: this version supports cp = pp = 1 only")
+    if lay.lm_pp != 1:
+        errors.append(f"language pp{lay.lm_pp}: this version supports pp = 1 only")
+    if cfg.seq_len % (2 * cp if cp > 1 else 1):   # cp.py's zigzag split
+        errors.append(f"seq_len {cfg.seq_len} is not divisible by 2 x lm_cp = {2 * cp}: context parallelism cuts "
+                      f"each row into 2 x cp equal chunks (--seq-len {cfg.seq_len // (2 * cp) * 2 * cp or 2 * cp} "
+                      "would do)")
+    tp_cp = lay.lm_tp * cp   # Mamba scans whole rows of 1 / (tp x cp) of its heads and groups (mamba.py)
+    for name in ("mamba_num_heads", "n_groups") if cp > 1 and "M" in cfg.hybrid_override_pattern else ():
+        if getattr(cfg, name) % tp_cp:
+            errors.append(f"lm_tp x lm_cp = {tp_cp} does not divide {name} {getattr(cfg, name)}")
+    tokens = lay.micro_batch * cfg.seq_len // cp   # MoE layers route each tp rank's slice of a rank's tokens
+    if "E" in cfg.hybrid_override_pattern + cfg.mtp_pattern * bool(cfg.num_nextn_predict_layers) and tokens % lay.lm_tp:
+        errors.append(f"micro_batch x seq_len / lm_cp = {tokens} tokens per rank are not divisible by lm_tp "
+                      f"{lay.lm_tp} (MoE layers route 1 / tp of them on each tp rank)")
     # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
     for name in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "vocab_size",
                  "intermediate_size", "moe_shared_expert_intermediate_size"):
@@ -176,19 +199,19 @@ def named(cfg, world, given):
     colocated = given.pop("colocated", None)
     if colocated is None:
         colocated = "vision_tp" not in given and "vision_dp" not in given
-    s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1)
+    s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1, lm_cp=1)
     s.update(given)
     if colocated:
         s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
-        s["lm_dp"] = s["lm_dp"] or world // s["lm_tp"]
-        s["vision_dp"] = s["vision_dp"] or world // s["vision_tp"]
+        s["lm_dp"] = s["lm_dp"] or world // (s["lm_tp"] * s["lm_cp"])
+        s["vision_dp"] = s["vision_dp"] or world // (s["vision_tp"] * s["lm_cp"])
     elif s["vision_dp"] is None and s["lm_dp"] is None:
         raise SystemExit("bad parallel layout: a hetero layout needs --vision-dp or --lm-dp (the other is derived "
                          "from WORLD_SIZE)")
     elif s["vision_dp"] is None:
-        s["vision_dp"] = (world - s["lm_tp"] * s["lm_dp"]) // s["vision_tp"]
+        s["vision_dp"] = (world - s["lm_tp"] * s["lm_cp"] * s["lm_dp"]) // s["vision_tp"]
     elif s["lm_dp"] is None:
-        s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // s["lm_tp"]
+        s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // (s["lm_tp"] * s["lm_cp"])
     return check_layout(Layout(world=world, colocated=bool(colocated), **s, **batch), cfg)
 
 
@@ -203,11 +226,13 @@ def reference(cfg, world):
 
 def candidates(cfg, world):
     """The layouts the chooser weighs on `world` ranks: the reference layout first, where there is one, then every
-    valid colocated layout (one tp for both modules, ep x etp over all ranks, dp the rest)."""
+    valid colocated layout (one tp and cp for both modules, ep x etp over all ranks, dp the rest)."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
-    colocated = [Layout(world=world, colocated=True, vision_tp=tp, vision_dp=world // tp, lm_tp=tp, lm_dp=world // tp,
-                        lm_ep=ep, lm_etp=etp, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
-                 for tp in divisors for ep in divisors for etp in divisors if world % (ep * etp) == 0]
+    colocated = [Layout(world=world, colocated=True, vision_tp=tp, vision_dp=world // (tp * cp), lm_tp=tp,
+                        lm_dp=world // (tp * cp), lm_ep=ep, lm_etp=etp, micro_batch=cfg.micro_batch,
+                        global_batch=cfg.global_batch, lm_cp=cp)
+                 for tp in divisors for cp in divisors for ep in divisors for etp in divisors
+                 if world % (tp * cp) == 0 and world % (ep * etp) == 0]
     return [lay for lay in [reference(cfg, world)] if lay] + [lay for lay in colocated if valid(lay, cfg)]
 
 
@@ -229,11 +254,12 @@ def choose(cfg, world, capacity, cuda, say, strict):
         return named(cfg, world, {})
     ref = reference(cfg, world)
     fitting = [lay for lay, rows in plans.items() if lay != ref and memory.fits(rows, capacity) is None]
+    fitting = [lay for lay in fitting if lay.lm_cp == 1] or fitting   # cp only where it is what fits
     if ref and memory.fits(plans[ref], capacity) is None:
         lay, why = ref, "the preset's reference layout"
     elif fitting:
         cost = {lay: bytes_moved(cfg, lay, cuda) for lay in fitting}
-        lay = min(fitting, key=lambda c: (cost[c], c.lm_tp, c.lm_ep, c.lm_etp))
+        lay = min(fitting, key=lambda c: (cost[c], c.lm_tp, c.lm_cp, c.lm_ep, c.lm_etp))
         why = (f"of the {len(fitting)} colocated layouts that fit, the one that moves the fewest bytes per rank per "
                f"step ({cost[lay] / memory.GIB:.2f} GiB)" if len(fitting) > 1 else
                "the only colocated layout that fits")
@@ -282,11 +308,15 @@ def bytes_moved(cfg, lay, cuda=True):
     def gather(g):
         return (g - 1) / g
 
-    T, D, pattern = cfg.micro_batch * cfg.seq_len, cfg.hidden_size, cfg.hybrid_override_pattern
-    passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
-    routed = 2 * T * cfg.num_experts_per_tok / lay.lm_tp * D          # one rank's routed rows of an MoE layer, bf16
-    language = ((passes * (len(pattern) * all_reduce(lay.lm_tp) + moe * gather(lay.lm_tp)) + 2 * all_reduce(lay.lm_tp))
-                * 2 * T * D + passes * moe * 2 * (gather(lay.lm_ep) + lay.lm_etp - 1) * routed)
+    T, D, pattern = cfg.micro_batch * cfg.seq_len // lay.lm_cp, cfg.hidden_size, cfg.hybrid_override_pattern
+    passes, moe, tp, cp = (3 if cfg.activation_checkpointing else 2), pattern.count("E"), lay.lm_tp, lay.lm_cp
+    routed = 2 * T * cfg.num_experts_per_tok / tp * D          # one rank's routed rows of an MoE layer, bf16
+    kv = 2 * T * 2 * cfg.num_key_value_heads * cfg.head_dim / tp            # this rank's K and V, bf16
+    mamba = 2 * T * (3 * cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size
+                     + cfg.mamba_num_heads) / tp                            # both all-to-alls' rows
+    language = ((passes * (len(pattern) * all_reduce(tp) + moe * gather(tp)) + 2 * all_reduce(tp)) * 2 * T * D
+                + passes * moe * 2 * (gather(lay.lm_ep) + lay.lm_etp - 1) * routed
+                + passes * (pattern.count("*") * (cp - 1) * kv + pattern.count("M") * gather(cp) * mamba))
     S, _ = memory.vision_tokens(cfg, lay)
     vision = ((2 if memory.tower_trains(cfg.stage, cfg.train_layers) else 1) * cfg.vit_depth * 2
               * all_reduce(lay.vision_tp) * 2 * S * cfg.vit_hidden)

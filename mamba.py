@@ -8,11 +8,13 @@ to docs/decoder.md §4's tolerances; tests/test_decoder.py checks the reference 
   Triton/CUDA pipeline). Imported lazily, only when the input lives on a GPU.
 
 Tensor parallel: each rank owns H/tp heads and G/tp groups; in_proj rows are laid out [z | x | B | C | dt] per
-rank (segments sharded separately), so the local split is the same code as on one device.
+rank (segments sharded separately), so the local split is the same code as on one device. Context parallel
+(cp.py): in_proj and out_proj run on the rank's positions, an all-to-all in between hands each cp rank whole rows
+of 1/cp of those heads and groups (so H and G divide by tp x cp), whose conv and scan are then exact as they are.
 
-Shape suffixes (u_BLD is [B, L, D]; widths are this tp rank's share): B batch, L sequence, D hidden size, I inner
-width (heads x head dim), C conv channels (I + 2 G N), W conv kernel width. Sizes: H heads, P head dim, G groups,
-N state size (lowercase in ssd_chunked's shapes, with b batch, c chunks, Q chunk length; its einsums' l and s are
+Shape suffixes (u_BMD is [B, M, D]; widths are this tp rank's share): B batch, L sequence (whole rows), M this cp
+rank's positions of a row (cp.py), D hidden size, I inner width (heads x head dim), C conv channels (I + 2 G N), W
+conv kernel width. Sizes: H heads, P head dim, G groups, N state size (lowercase in ssd_chunked's shapes, with b batch, c chunks, Q chunk length; its einsums' l and s are
 positions in a chunk, z a chunk). The tensors B, C (ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the
 SSM's input, output and skip terms (docs/decoder.md §2), not sizes.
 """
@@ -21,13 +23,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import cp
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, cp_group=None):
         super().__init__()
         tp = comm.group_size(tp_group)
-        self.tp_group = tp_group
+        self.tp_group, self.cp_group = tp_group, cp_group
         H, P, G, N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
         self.nheads, self.headdim, self.ngroups, self.dstate = H // tp, P, G // tp, N
         self.d_inner = self.nheads * P
@@ -49,38 +52,55 @@ class Mamba2Mixer(nn.Module):
             comm.mark_shard(p, ("tp", 0, None))
         comm.mark_shard(self.out_proj.weight, ("tp", 1, None))
 
-    def forward(self, u_BLD, seq_idx=None):
-        u_BLD = comm.copy_to(u_BLD, self.tp_group)
-        zxbcdt = self.in_proj(u_BLD)
+    def forward(self, u_BMD, seq_idx=None):
+        """u: this cp rank's positions; the conv and the scan run on whole rows of this rank's heads (cp.py)."""
+        u_BMD = comm.copy_to(u_BMD, self.tp_group)
+        GN = self.ngroups * self.dstate
+        zxbcdt = cp.to_heads(self.in_proj(u_BMD), [self.d_inner, self.d_inner, GN, GN, self.nheads], self.cp_group)
         if zxbcdt.is_cuda:
             y = self._kernel_path(zxbcdt, seq_idx)
         else:
             y = self._reference_path(zxbcdt, seq_idx)
-        return comm.reduce_from(self.out_proj(y), self.tp_group)
+        return comm.reduce_from(self.out_proj(cp.to_positions(y, self.cp_group)), self.tp_group)
+
+    def _heads(self):
+        """(conv weight [C, W], conv bias, dt_bias, A_log, D, norm weight, heads, groups) of the heads this cp rank
+        scans: its 1/cp slice of the tp rank's heads and groups (all of them without cp). The slices are views into
+        the parameters, so each cp rank's gradient lands in its slice; optim.py sums them over dp-cp."""
+        w, b = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        n, r = comm.group_size(self.cp_group), comm.group_rank(self.cp_group)
+        if n == 1:
+            return w, b, self.dt_bias, self.A_log, self.D, self.norm.weight, self.nheads, self.ngroups
+        conv = [self.d_inner, self.ngroups * self.dstate, self.ngroups * self.dstate]
+        return (comm.shard(w, 0, r, n, conv), comm.shard(b, 0, r, n, conv),
+                *(p.chunk(n)[r] for p in (self.dt_bias, self.A_log, self.D, self.norm.weight)),
+                self.nheads // n, self.ngroups // n)
 
     def _reference_path(self, zxbcdt, seq_idx):
+        conv_w, conv_b, dt_bias, A_log, D, norm_w, H, G = self._heads()
         Bsz, L, _ = zxbcdt.shape
-        H, P, G, N = self.nheads, self.headdim, self.ngroups, self.dstate
-        z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, H], dim=-1)
-        xBC = F.silu(causal_conv1d_ref(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx))
-        x, Bm, Cm = torch.split(xBC, [self.d_inner, G * N, G * N], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        A = -torch.exp(self.A_log.float())
+        P, N = self.headdim, self.dstate
+        z, xBC, dt = torch.split(zxbcdt, [H * P, H * P + 2 * G * N, H], dim=-1)
+        xBC = F.silu(causal_conv1d_ref(xBC, conv_w, conv_b, seq_idx))
+        x, Bm, Cm = torch.split(xBC, [H * P, G * N, G * N], dim=-1)
+        dt = F.softplus(dt.float() + dt_bias.float())
+        A = -torch.exp(A_log.float())
         y = ssd_chunked(x.reshape(Bsz, L, H, P).float(), dt, A, Bm.reshape(Bsz, L, G, N).float(),
                         Cm.reshape(Bsz, L, G, N).float(), self.chunk_size, seq_idx)
-        y = y + x.reshape(Bsz, L, H, P).float() * self.D.float()[:, None]
-        y = gated_rms_norm(y.reshape(Bsz, L, self.d_inner), z, self.norm.weight, self.ngroups, self.eps)
+        y = y + x.reshape(Bsz, L, H, P).float() * D.float()[:, None]
+        y = gated_rms_norm(y.reshape(Bsz, L, H * P), z, norm_w, G, self.eps)
         return y.to(zxbcdt.dtype)
 
     def _kernel_path(self, zxbcdt, seq_idx):
         from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+        conv_w, conv_b, dt_bias, A_log, D, norm_w, _, G = self._heads()
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
         # norm_before_gate=False and eps 1e-5: the kernel defaults (True, 1e-6) are wrong for Nemotron.
         return mamba_split_conv1d_scan_combined(
-            zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()),
-            self.D, self.chunk_size, seq_idx=seq_idx, activation="silu", rmsnorm_weight=self.norm.weight,
-            rmsnorm_eps=self.eps, headdim=self.headdim, ngroups=self.ngroups, norm_before_gate=False)
+            zxbcdt, conv_w, conv_b, dt_bias, -torch.exp(A_log.float()), D, self.chunk_size, seq_idx=seq_idx,
+            activation="silu", rmsnorm_weight=norm_w, rmsnorm_eps=self.eps, headdim=self.headdim, ngroups=G,
+            norm_before_gate=False)
 
 
 def causal_conv1d_ref(x_BLC, w_CW, bias_C, seq_idx=None):

@@ -7,12 +7,13 @@ Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA
                                where optim.fp32_weights: weights 4 (they are the main weights)  optimizer 8
   --no-distributed-optimizer   weights 4         gradient 4                   optimizer 8, and 2 more while a
                                micro-batch runs: the bf16 copy autocast makes of the weight and keeps for backward
-d: the parameter's data-parallel group (vision dp, language dp, edp). Frozen: 2 (bf16; 4 with the plain optimizer).
-With --lora-rank the base is frozen and the adapters (lora.py) are the trained parameters.
+d: the parameter's data-parallel group (vision dp, language dp x cp, edp). Frozen: 2 (bf16; 4 with the plain
+optimizer). With --lora-rank the base is frozen and the adapters (lora.py) are the trained parameters.
 CPU runs keep fp32 weights.
 Activations: what autograd keeps for backward, counted per layer from the code (model.py, mamba.py, moe.py,
-radio.py), in bf16 with T = micro_batch x seq_len tokens per language lane; with --activation-checkpointing only each
-layer's input plus one layer's worth during its recompute. MoE assumes balanced routing (T x k / tp rows a rank).
+radio.py), in bf16 with T = micro_batch x seq_len / cp tokens per language rank; with --activation-checkpointing
+only each layer's input plus one layer's worth during its recompute. MoE assumes balanced routing (T x k / tp rows
+a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
 Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers are
 persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
 Set-up, apart (over before the first step): every local weight in fp32 before the bf16 cast, plus init's two
@@ -70,13 +71,14 @@ def parameter_counts(cfg):
 def local_parameters(cfg, lay):
     """(module kind, expert, trained, parameters, data-parallel size) per parameter group of one rank of `lay`:
     the local slice (/ tp, / (ep x etp) for experts) and the size of the group its gradient is summed over (its
-    optimizer domain: vision dp, language dp, edp)."""
+    optimizer domain: vision dp (x cp colocated), language dp x cp, edp)."""
     counts, _ = parameter_counts(cfg)
     for kind, groups in counts.items():
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
         for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
             n = numel / (lay.lm_ep * (lay.lm_etp if etp_sharded else 1) if expert else tp if tp_sharded else 1)
-            yield kind, expert, trained, n, lay.vision_dp if kind == "vision" else lay.lm_edp if expert else lay.lm_dp
+            yield kind, expert, trained, n, (lay.vision_dp * lay.vision_cp if kind == "vision" else lay.lm_edp if expert
+                                             else lay.lm_dp * lay.lm_cp)
 
 
 def parameter_bytes(cfg, lay, cuda=True):
@@ -102,8 +104,11 @@ def parameter_bytes(cfg, lay, cuda=True):
 
 
 def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
-    """Bytes autograd keeps for one micro-batch of one language rank, at the peak of its backward."""
-    T, D, tp, etp = micro_batch * cfg.seq_len, cfg.hidden_size, lay.lm_tp, lay.lm_etp
+    """Bytes autograd keeps for one micro-batch of one language rank, at the peak of its backward. Under context
+    parallelism a rank holds T / cp tokens, except for attention's gathered whole-row K and V, and the largest
+    exchange's send and receive buffers (cp.py) come on top."""
+    cp = lay.lm_cp
+    T, D, tp, etp = micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
     d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     K, E, Z = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_latent_size or cfg.hidden_size
@@ -111,7 +116,7 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
     latent = 2 * T * (D + Z) / tp if cfg.moe_latent_size else 0  # LatentMoE: fc1's input slice, fc2's input
     mixer = {  # inputs of every matmul / kernel the mixer runs, as saved for backward, in bytes
         "M": 2 * T * D + 2 * T * (2 * d_in + 2 * gn + H) / tp + 2 * 2 * T * d_in / tp + 4 * T * cfg.n_groups / tp,
-        "*": 2 * T * D + 2 * T * (nh + 2 * nkv) * hd / tp + 2 * 2 * T * nh * hd / tp + 4 * T * nh / tp,
+        "*": 2 * T * D + 2 * T * (nh + 2 * nkv * cp) * hd / tp + 2 * 2 * T * nh * hd / tp + 4 * T * nh / tp,
         "-": 2 * T * D + 2 * 2 * T * cfg.intermediate_size / tp,
         "E": (2 * T * D + 4 * T * D + 4 * 2 * T * E                # input; fp32 router input, scores, sigmoid
               + 2 * 2 * T * cfg.moe_shared_expert_intermediate_size / tp
@@ -126,7 +131,10 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
         saved = len(layers) * 2 * T * D + max(layers)              # each layer's input + the one being recomputed
     else:
         saved = sum(layers)
-    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + logits   # + the logits' gradient, at backward
+    # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V
+    exchange = 2 * 2 * T * max((2 * d_in + 2 * gn + H) * ("M" in cfg.hybrid_override_pattern),
+                               cp * 2 * nkv * hd * ("*" in cfg.hybrid_override_pattern)) / tp if cp > 1 else 0
+    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + logits + exchange   # logits: their gradient too
 
 
 def vision_tokens(cfg, lay):

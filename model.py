@@ -9,8 +9,12 @@ Module names equal the HF NemotronH checkpoint names (backbone.layers.{i}.mixer.
 experts are stacked into experts.up_proj [E, F, D] / experts.down_proj [E, D, F] for grouped GEMM.
 Every module takes its process groups (None = single device); local shapes are the full shapes / group size.
 
-Shape suffixes (h_BLD is [B, L, D]; a tensor holds this rank's share of a dim tp splits): B batch, L sequence,
-D hidden size, N token positions (B x L flattened), V vocab, E routed experts, F expert ffn width.
+Shape suffixes (h_BLD is [B, L, D]; a tensor holds this rank's share of a dim tp splits): B batch, L sequence (a
+whole row), M this cp rank's positions of a row (cp.py; M = L without context parallelism), D hidden size, N token
+positions (B x M flattened), V vocab, E routed experts, F expert ffn width, H attention heads, G KV heads, K head dim.
+
+Context parallelism (cp.py, docs/cp.md): the language model's activations, labels and padding mask hold this cp
+rank's positions, seq_idx (document ids) always the whole rows in natural order.
 """
 import math
 import re
@@ -21,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import cp
 import fused
 from fused import RMSNorm
 from mamba import Mamba2Mixer
@@ -30,12 +35,13 @@ SEED = 20000   # the language model's weights are drawn from cfg.seed + SEED (tr
 
 
 class Attention(nn.Module):
-    """Causal GQA, no RoPE, no bias; heads and KV groups split over tp; documents masked when packed."""
+    """Causal GQA, no RoPE, no bias; heads and KV groups split over tp; documents masked when packed. Under cp the
+    queries are this rank's positions and K / V are gathered from the whole row (cp.py)."""
 
-    def __init__(self, cfg, tp_group=None):
+    def __init__(self, cfg, tp_group=None, cp_group=None):
         super().__init__()
         tp = comm.group_size(tp_group)
-        self.tp_group, self.head_dim = tp_group, cfg.head_dim
+        self.tp_group, self.cp_group, self.head_dim = tp_group, cp_group, cfg.head_dim
         self.n_heads, self.n_kv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
         D = cfg.hidden_size
         self.q_proj = nn.Linear(D, self.n_heads * cfg.head_dim, bias=False)
@@ -46,25 +52,69 @@ class Attention(nn.Module):
             comm.mark_shard(lin.weight, ("tp", 0, None))
         comm.mark_shard(self.o_proj.weight, ("tp", 1, None))
 
-    def forward(self, x_BLD, seq_idx=None):
-        Bsz, L, _ = x_BLD.shape
-        x_BLD = comm.copy_to(x_BLD, self.tp_group)
-        q = self.q_proj(x_BLD).view(Bsz, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BLD).view(Bsz, L, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BLD).view(Bsz, L, self.n_kv, self.head_dim).transpose(1, 2)
-        if seq_idx is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(seq_idx), enable_gqa=True)
-        o = o.transpose(1, 2).reshape(Bsz, L, self.n_heads * self.head_dim)
+    def forward(self, x_BMD, seq_idx=None):
+        Bsz, M, _ = x_BMD.shape
+        x_BMD = comm.copy_to(x_BMD, self.tp_group)
+        q = self.q_proj(x_BMD).view(Bsz, M, self.n_heads, self.head_dim).transpose(1, 2)
+        k = cp.gather(self.k_proj(x_BMD), self.cp_group)
+        v = cp.gather(self.v_proj(x_BMD), self.cp_group)
+        L = k.shape[1]
+        k, v = (t.view(Bsz, L, self.n_kv, self.head_dim).transpose(1, 2) for t in (k, v))
+        o = attend(q, k, v, cp.spans(L, comm.group_rank(self.cp_group), comm.group_size(self.cp_group)), seq_idx)
+        o = o.transpose(1, 2).reshape(Bsz, M, self.n_heads * self.head_dim)
         return comm.reduce_from(self.o_proj(o), self.tp_group)
 
 
-def document_causal_mask(seq_idx_BL):
-    """[B, 1, L, L] bool: query t sees key s <= t of the same document."""
-    L = seq_idx_BL.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=seq_idx_BL.device).tril()
-    return (causal & (seq_idx_BL[:, :, None] == seq_idx_BL[:, None, :]))[:, None]
+def attend(q_BHMK, k_BGLK, v_BGLK, spans, seq_idx_BL=None):
+    """Causal attention of the queries at row positions `spans` (cp.spans: contiguous chunks, in the queries'
+    order) over the whole row's keys: each chunk reads the keys up to its end. Memory stays linear in the sequence:
+    unpacked rows use no mask tensor (is_causal, or the lower-right causal bias of a chunk that does not start the
+    row: the flash / efficient kernels); packed rows (seq_idx: key s <= query t, same document) a block-sparse
+    FlexAttention mask on CUDA, a boolean mask on the CPU (the reference it is tested against).
+    (K: head dim, G: KV heads, S: a chunk's keys.)"""
+    out, start = [], 0
+    for a, b in spans:
+        q = q_BHMK[:, :, start:start + b - a]
+        start += b - a
+        k, v = k_BGLK[:, :, :b], v_BGLK[:, :, :b]
+        if seq_idx_BL is not None and q.is_cuda:
+            out.append(_document_flex(q, k, v, seq_idx_BL, a))
+        elif seq_idx_BL is not None:
+            pos = torch.arange(b, device=q.device)
+            doc = seq_idx_BL[:, :b]
+            mask = (pos[None, :] <= pos[a:, None]) & (doc[:, a:, None] == doc[:, None, :])
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True))
+        elif a == 0:
+            out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        else:
+            from torch.nn.attention.bias import causal_lower_right   # imports torch._dynamo: not at import time
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(b - a, b), enable_gqa=True))
+    return torch.cat(out, 2) if len(out) > 1 else out[0]
+
+
+_FLEX = {}   # the compiled FlexAttention and mask builder, and the last micro-batch's block masks (shared by layers)
+
+
+def _document_flex(q_BHMK, k_BGSK, v_BGSK, seq_idx_BL, offset):
+    """Document-causal attention through FlexAttention: queries at row positions offset .. offset + M, keys 0 .. S.
+    Its block mask skips the blocks no query reads (other documents, the future), so neither time nor memory is
+    quadratic in a row of short documents. A micro-batch's masks are built once and reused by every layer: the
+    cache is keyed by the seq_idx tensor itself (train.py makes one per micro-batch; holding it keeps its memory
+    from being reused by the next one)."""
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        _FLEX.update(attn=torch.compile(flex_attention), mask=torch.compile(create_block_mask), key=None)
+    if _FLEX["key"] is not seq_idx_BL:
+        _FLEX.update(key=seq_idx_BL, masks={})
+    M, S = q_BHMK.shape[2], k_BGSK.shape[2]
+    if (offset, M, S) not in _FLEX["masks"]:
+        doc_BS = seq_idx_BL[:, :S].contiguous()
+
+        def same_document_causal(b, h, qi, ki):
+            return (ki <= qi + offset) & (doc_BS[b, qi + offset] == doc_BS[b, ki])
+        _FLEX["masks"][(offset, M, S)] = _FLEX["mask"](same_document_causal, doc_BS.shape[0], None, M, S,
+                                                      device=q_BHMK.device)
+    return _FLEX["attn"](q_BHMK, k_BGSK, v_BGSK, block_mask=_FLEX["masks"][(offset, M, S)], enable_gqa=True)
 
 
 class Block(nn.Module):
@@ -72,13 +122,13 @@ class Block(nn.Module):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        tp = groups.get("tp")
+        tp, cp_group = groups.get("tp"), groups.get("cp")
         if kind == "M":
-            self.mixer = Mamba2Mixer(cfg, tp)
+            self.mixer = Mamba2Mixer(cfg, tp, cp_group)
         elif kind == "*":
-            self.mixer = Attention(cfg, tp)
+            self.mixer = Attention(cfg, tp, cp_group)
         elif kind == "E":
-            self.mixer = MoE(cfg, tp, groups.get("ep"), groups.get("etp"), dispatcher)
+            self.mixer = MoE(cfg, tp, groups.get("ep"), groups.get("etp"), dispatcher, cp_group)
         else:
             self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
@@ -111,7 +161,7 @@ class LanguageModel(nn.Module):
     def __init__(self, cfg, groups=None, dispatcher="alltoall"):
         super().__init__()
         groups = groups or {}
-        self.cfg, self.tp_group = cfg, groups.get("tp")
+        self.cfg, self.tp_group, self.cp_group = cfg, groups.get("tp"), groups.get("cp")
         tp = comm.group_size(self.tp_group)
         if cfg.vocab_size % tp:
             raise ValueError(f"vocab_size {cfg.vocab_size} is not divisible by tp {tp}")
@@ -128,35 +178,37 @@ class LanguageModel(nn.Module):
     def embed(self, input_ids):
         return self.backbone.embeddings(input_ids)
 
-    def forward(self, h_BLD, seq_idx=None, valid=None):
+    def forward(self, h_BMD, seq_idx=None, valid=None):
         """Embedded input (image rows already placed) -> final normed hidden states. seq_idx [B, L]: document ids
-        of packed rows; valid [B, L]: False on padding, which MoE layers neither count nor balance."""
-        if torch.is_autocast_enabled(h_BLD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
-            h_BLD = h_BLD.to(torch.get_autocast_dtype(h_BLD.device.type))
-        return self.backbone.norm_f(self._layers(self.backbone.layers, h_BLD, seq_idx, valid))
+        of packed rows; valid [B, M]: False on padding, which MoE layers neither count nor balance."""
+        if torch.is_autocast_enabled(h_BMD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
+            h_BMD = h_BMD.to(torch.get_autocast_dtype(h_BMD.device.type))
+        return self.backbone.norm_f(self._layers(self.backbone.layers, h_BMD, seq_idx, valid))
 
-    def _layers(self, layers, h_BLD, seq_idx, valid):
+    def _layers(self, layers, h_BMD, seq_idx, valid):
         for layer in layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
-                h_BLD = torch.utils.checkpoint.checkpoint(layer, h_BLD, seq_idx, valid, use_reentrant=False)
+                h_BMD = torch.utils.checkpoint.checkpoint(layer, h_BMD, seq_idx, valid, use_reentrant=False)
             else:
-                h_BLD = layer(h_BLD, seq_idx, valid)
-        return h_BLD
+                h_BMD = layer(h_BMD, seq_idx, valid)
+        return h_BMD
 
-    def mtp_losses(self, hidden_BLD, h_BLD, labels_BL, seq_idx=None, valid=None):
+    def mtp_losses(self, hidden_BMD, h_BMD, labels_BL, seq_idx=None, valid=None):
         """Multi-token prediction (docs/super.md §3-4): for depth k = 1 .. mtp.depths, the sum of its token
         cross-entropies on the tokens k + 1 ahead. hidden: forward()'s output (depth 0); h: forward()'s input, the
-        embedded tokens with image rows placed (rolled left k: the token k ahead's). Depth k runs MTP block
-        (k - 1) mod num_nextn_predict_layers on cat[enorm(embedding), hnorm(previous depth)], through the shared
-        output head."""
-        sums, P = [], len(self.cfg.mtp_pattern)
+        embedded tokens with image rows placed (rolled left k: the token k ahead's); labels: the whole rows. Depth
+        k runs MTP block (k - 1) mod num_nextn_predict_layers on cat[enorm(embedding), hnorm(previous depth)],
+        through the shared output head. Under cp the embedding k ahead may be another rank's: h's whole rows are
+        gathered first."""
+        sums, P, at = [], len(self.cfg.mtp_pattern), (comm.group_rank(self.cp_group), comm.group_size(self.cp_group))
+        h_BLD = cp.gather(h_BMD, self.cp_group)
         for k in range(1, self.mtp.depths + 1):
             b = (k - 1) % self.cfg.num_nextn_predict_layers
             first, layers = self.mtp.layers[b * P], self.mtp.layers[b * P:(b + 1) * P]
-            e_BLD = h_BLD.roll(-k, 1).to(hidden_BLD.dtype)
-            x = first.eh_proj(torch.cat([first.enorm(e_BLD), first.hnorm(hidden_BLD)], -1))
-            hidden_BLD = layers[-1].final_layernorm(self._layers(layers, x, seq_idx, valid))
-            sums.append(self.loss_sum(hidden_BLD, mtp_labels(labels_BL, seq_idx, k))[0])
+            e_BMD = cp.local(h_BLD.roll(-k, 1), *at).to(hidden_BMD.dtype)
+            x = first.eh_proj(torch.cat([first.enorm(e_BMD), first.hnorm(hidden_BMD)], -1))
+            hidden_BMD = layers[-1].final_layernorm(self._layers(layers, x, seq_idx, valid))
+            sums.append(self.loss_sum(hidden_BMD, cp.local(mtp_labels(labels_BL, seq_idx, k), *at))[0])
         return sums
 
     def logits(self, hidden):
@@ -238,17 +290,21 @@ class _VocabParallelCE(torch.autograd.Function):
         return fused.cross_entropy_grad(logits_NV, lse, local_t, hit, grad_N * valid), None, None
 
 
-def place_images(h_BLD, input_ids, image_rows, rows_per_sample, image_token_id):
-    """Write image embedding rows into the placeholder positions, in order. input_ids live on the host (as the
-    loader made them): the check and the positions cost no device sync."""
+def place_images(h_BMD, input_ids, image_rows, rows_per_sample, image_token_id, cp_rank=0, cp_size=1):
+    """Write image embedding rows into the placeholder positions, in order; under cp (h holds this rank's positions,
+    input_ids the whole rows) the rows whose placeholders this rank holds. input_ids live on the host (as the loader
+    made them): the check and the positions cost no device sync."""
     is_image = input_ids.cpu() == image_token_id
     for b, (n_slots, n_rows) in enumerate(zip(is_image.sum(1).tolist(), rows_per_sample)):
         if n_slots != n_rows:
             raise ValueError(f"sample {b}: {n_slots} image placeholder tokens but {n_rows} image embedding rows")
     if image_rows.shape[0] == 0:
-        return h_BLD
-    pos = host_to_device(is_image.flatten().nonzero().squeeze(1), h_BLD.device)
-    return h_BLD.flatten(0, 1).index_copy(0, pos, image_rows.to(h_BLD.dtype)).view_as(h_BLD)
+        return h_BMD
+    row = torch.full(is_image.shape, -1).masked_scatter_(is_image, torch.arange(image_rows.shape[0]))
+    row = cp.local(row, cp_rank, cp_size).flatten()          # the image row at each of this rank's positions
+    here = row >= 0
+    pos, src = (host_to_device(t, h_BMD.device) for t in (here.nonzero().squeeze(1), row[here]))
+    return h_BMD.flatten(0, 1).index_copy(0, pos, image_rows[src].to(h_BMD.dtype)).view_as(h_BMD)
 
 
 def host_to_device(t, device):

@@ -9,11 +9,11 @@ Token flow of one MoE layer (x is replicated over the language tp group, as ever
            all-gather the tp slices
   + shared expert (tensor parallel like a dense MLP)
 
-Shape suffixes (x_TD is [T, D]): B batch, L sequence, D hidden size, E routed experts, F expert ffn width, T tokens
-(B x L, or this tp rank's slice of them), K experts per token, R routed rows (one per token and choice, sorted by
-expert), S source ranks of the exchange, J this rank's experts (E / ep), G groups of a grouped GEMM (this rank's
-experts), I and O a grouped GEMM's input and output widths (Z and F, or F and Z), Z the width the experts read and
-write (moe_latent_size under LatentMoE, else D).
+Shape suffixes (x_TD is [T, D]): B batch, L sequence (this cp rank's positions of it), D hidden size, E routed
+experts, F expert ffn width, T tokens (B x L, or this tp rank's slice of them), K experts per token, R routed rows
+(one per token and choice, sorted by expert), S source ranks of the exchange, J this rank's experts (E / ep), G
+groups of a grouped GEMM (this rank's experts), I and O a grouped GEMM's input and output widths (Z and F, or F and
+Z), Z the width the experts read and write (moe_latent_size under LatentMoE, else D).
 """
 import torch
 import torch.distributed as dist
@@ -25,8 +25,9 @@ import fused
 
 
 class Router(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, cp_group=None):
         super().__init__()
+        self.cp_group = cp_group    # the balance loss's sequences span the cp ranks (seq_aux_loss)
         E = cfg.n_routed_experts
         self.top_k, self.scale, self.aux_coeff = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.moe_aux_loss_coeff
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
@@ -48,20 +49,25 @@ class Router(nn.Module):
         picked = scores.gather(-1, topk_idx)
         topk_w = self.scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
         if self.training and torch.is_grad_enabled() and self.aux_coeff > 0:
-            aux = seq_aux_loss(scores.view(Bsz, L, -1), self.top_k, self.aux_coeff, valid_BL)
+            aux = seq_aux_loss(scores.view(Bsz, L, -1), self.top_k, self.aux_coeff, valid_BL, self.cp_group)
             topk_w = AuxLossInjector.apply(topk_w, aux, self.aux_loss_scale)
         return topk_idx, topk_w
 
 
-def seq_aux_loss(scores_BLE, top_k, coeff, valid_BL=None):
+def seq_aux_loss(scores_BLE, top_k, coeff, valid_BL=None, cp_group=None):
     """DeepSeek-V3 sequence-wise balance loss: coeff/B * sum_b sum_i f_bi * P_bi (bias-free scores).
-    Under a padding mask, T of each sequence is its count of valid tokens."""
+    Under a padding mask, T of each sequence is its count of valid tokens. Under context parallelism the scores are
+    this rank's positions of each sequence: f and T (no gradient) are summed over cp first, P is this rank's share of
+    the sum over positions, so the ranks' losses add up to the whole sequences' loss, and so do their gradients."""
     Bsz, L, E = scores_BLE.shape
     s_hat = scores_BLE / (scores_BLE.sum(-1, keepdim=True) + 1e-20)
     chosen = torch.zeros_like(s_hat).scatter_(-1, torch.topk(s_hat, top_k, dim=-1).indices, 1.0)
     w = torch.ones(Bsz, L, 1, device=s_hat.device) if valid_BL is None else valid_BL[..., None].float()
-    T = w.sum(1).clamp_min(1)                # [B, 1]
-    f = (chosen * w).sum(1) * E / (top_k * T)   # [B, E], no gradient
+    counts = torch.cat([(chosen * w).sum(1), w.sum(1)], 1)     # [B, E + 1]: choices per expert, tokens
+    if comm.group_size(cp_group) > 1:
+        dist.all_reduce(counts, group=cp_group)
+    T = counts[:, E:].clamp_min(1)           # [B, 1]
+    f = counts[:, :E] * E / (top_k * T)      # [B, E], no gradient
     P = (s_hat * w).sum(1) / T               # [B, E]
     return coeff * (f * P).sum() / Bsz
 
@@ -159,11 +165,11 @@ def grouped_mm(x_RI, w_GOI, counts):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, tp_group=None, ep_group=None, etp_group=None, dispatcher="alltoall"):
+    def __init__(self, cfg, tp_group=None, ep_group=None, etp_group=None, dispatcher="alltoall", cp_group=None):
         super().__init__()
         self.tp_group, self.ep_group, self.etp_group = tp_group, ep_group, etp_group
         self.num_experts = cfg.n_routed_experts
-        self.gate = Router(cfg)
+        self.gate = Router(cfg, cp_group)
         self.experts = Experts(cfg, ep_group, etp_group)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, tp_group)
         if cfg.moe_latent_size:   # LatentMoE (Nemotron 3 Super): the routed rows travel and meet their experts in
@@ -402,7 +408,7 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
 def update_expert_bias(model, rate, group=None):
     """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), then reset counts.
 
-    Counts are summed over the language tp x dp group first (each rank counted distinct tokens).
+    Counts are summed over the language tp x dp x cp group first (each rank counted distinct tokens).
     Returns the summed counts [MoE layers, E] (for logging), or None without MoE layers.
     """
     routers = [m for m in model.modules() if isinstance(m, Router)]

@@ -67,7 +67,9 @@ class Grid:
 
 
 def vision_grid(lay):
-    return Grid({"tp": lay.vision_tp, "cp": 1, "dp": lay.vision_dp, "pp": 1}, offset=0)
+    """Colocated, the language grid's cp too: the cp ranks of a lane encode the same images, so each holds the
+    rows its positions need and the tower's gradient is summed over dp-cp like the language model's."""
+    return Grid({"tp": lay.vision_tp, "cp": lay.vision_cp, "dp": lay.vision_dp, "pp": 1}, offset=0)
 
 
 def lm_grid(lay):
@@ -129,7 +131,8 @@ class ModuleGroups:
     edp_size: int = 1
 
     def identity(self):
-        s = f"{self.name} tp{self.tp_rank}/{self.tp_size} dp{self.dp_rank}/{self.dp_size}"
+        cp = f" cp{self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
+        s = f"{self.name} tp{self.tp_rank}/{self.tp_size}{cp} dp{self.dp_rank}/{self.dp_size}"
         if self.name == "lm":
             s += (f" ep{self.ep_rank}/{self.ep_size} etp{self.etp_rank}/{self.etp_size}"
                   f" edp{self.edp_rank}/{self.edp_size}")
@@ -159,7 +162,7 @@ class Parallel:
         return " | ".join(parts) + f" rank{self.rank}"
 
 
-VISION_GROUPS = ["tp", "dp", "tp-dp"]
+VISION_GROUPS = ["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp", "tp-cp-dp-pp"]
 LM_GROUPS = ["tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-dp-cp", "tp-cp-dp-pp"]
 EXPERT_GROUPS = ["ep", "etp", "edp", "etp-ep", "etp-ep-pp"]
 FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp", "tp-dp-cp": "tp_dp_cp",
@@ -169,9 +172,9 @@ FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp",
 def setup(lay, cfg=None):
     """Build both grids and create every group of every grid on EVERY rank (new_group is collective over WORLD).
 
-    Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, dp, tp-dp; language
-    tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp, etp-ep, etp-ep-pp (pp is the
-    base group); the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank
+    Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, cp, dp, dp-cp, tp-cp,
+    tp-dp, whole; language tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp,
+    etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank
     lists share one group object (colocated grids, size-1 dims): every rank computes the same lists, so the
     sequence of new_group calls is still identical everywhere.
     """
@@ -208,13 +211,12 @@ def setup(lay, cfg=None):
     par.vision = ModuleGroups("vision") if rank in vgrid else None
     par.lm = ModuleGroups("lm") if rank in lgrid else None
     fill(par.vision, "vision", vgrid, VISION_GROUPS)
-    if par.vision is not None:          # cp = pp = 1: tp-dp is the whole grid, dp-cp = dp, tp-cp = tp-pp = tp
-        v = par.vision
-        v.whole, v.dp_cp, v.tp_cp, v.tp_pp = v.tp_dp, v.dp, v.tp, v.tp
+    if par.vision is not None:          # pp = 1: tp-pp = tp
+        par.vision.tp_pp = par.vision.tp
     fill(par.lm, "lm", lgrid, LM_GROUPS)
     fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates; pp agrees with the base view
     if not lay.colocated:
-        # the lane broadcast groups (docs/parallel.md §6) are the grids' tp groups here (cp = pp = 1), created above
+        # the lane broadcast groups (docs/parallel.md §6) are the grids' tp-cp groups here (pp = 1), created above
         leaders = sorted({lane[-1] for lane in lanes(vgrid)} | {lane[0] for lane in lanes(lgrid)})
         par.bridge = create("bridge", [leaders])
     return par

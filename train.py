@@ -37,6 +37,7 @@ import torch.distributed as dist
 import checkpoint
 import comm
 import config
+import cp
 import data
 import failsafe
 import layout
@@ -243,8 +244,8 @@ def setup(cfg, inv, lay, start, device):
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
         with torch.device(device):
-            run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "ep": par.lm.ep, "etp": par.lm.etp},
-                                         cfg.moe_dispatcher)
+            run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "cp": par.lm.cp, "ep": par.lm.ep,
+                                               "etp": par.lm.etp}, cfg.moe_dispatcher)
         coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
         model.init_weights(run.lm, cfg.seed + model.SEED, coords, cfg)
         run.lm.checkpoint_layers = cfg.activation_checkpointing
@@ -300,7 +301,8 @@ def microbatch(run, ds, first, train):
         patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
         with autocast:
             out = run.vision(model.host_to_device(patches, device), grids)
-        if train and par.vision.tp_rank == 0:  # MFU: the tower's FLOPs count when it trains, not when frozen
+        if train and par.vision.tp_rank == 0 and par.vision.cp_rank == 0:  # MFU: the tower's FLOPs count once
+            # (colocated cp ranks encode the same images), when it trains, not when frozen
             tower_trains = any(p.requires_grad for n, p in run.vision.named_parameters() if "mlp1" not in n)
             run.flops += model.vision_flops(cfg, grids, tower_trains)
         run.bridge.send(out, rows)
@@ -310,22 +312,24 @@ def microbatch(run, ds, first, train):
         x, rows = run.bridge.recv()
         samples = [ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)]
         ids, labels, seq_idx, valid = data.collate_text(samples)
-        ids_dev, labels, seq_idx, valid = (None if t is None else model.host_to_device(t, device)
-                                           for t in (ids, labels, seq_idx, valid))
+        cp_at = (par.lm.cp_rank, par.lm.cp_size)   # this rank's positions of the rows (cp.py), seq_idx whole
+        ids_dev, labels_dev, seq_idx, valid = (None if t is None else model.host_to_device(t, device) for t in
+                                               (cp.local(ids, *cp_at), cp.local(labels, *cp_at), seq_idx,
+                                                None if valid is None else cp.local(valid, *cp_at)))
         with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
-            h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id)
+            h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id, *cp_at)
             if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
                 h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
             hidden = run.lm(h, seq_idx, valid)
-            s, _ = run.lm.loss_sum(hidden, labels)
+            s, _ = run.lm.loss_sum(hidden, labels_dev)
             if train and run.mtp_weights:   # weighted so the step's gradient is scale / D x sum_k (mean loss of k)
-                mtp = run.lm.mtp_losses(hidden, h, labels, seq_idx, valid)
+                mtp = run.lm.mtp_losses(hidden, h, model.host_to_device(labels, device), seq_idx, valid)
                 run.mtp_sums = [a + b.detach().float() for a, b in zip(run.mtp_sums, mtp)]
         if train:
             (s + sum(w * m for w, m in zip(run.mtp_weights, mtp)) if run.mtp_weights else s).backward()
             run.bridge.send_grad()
             if par.lm.tp_rank == 0:
-                run.flops += ids.numel() * model.lm_flops_per_token(cfg, cfg.seq_len)
+                run.flops += ids_dev.numel() * model.lm_flops_per_token(cfg, cfg.seq_len)
                 run.real_tokens += sum(len(x.input_ids) - x.n_pad for x in samples)
         loss_sum = s.detach().float()
     if not train:
@@ -403,7 +407,7 @@ def train_step(run, step, stop):
         if lm is not None:
             # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
             rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
-            run.expert_counts = moe.update_expert_bias(lm, rate, run.par.lm.tp_dp)
+            run.expert_counts = moe.update_expert_bias(lm, rate, run.par.lm.tp_dp_cp)
         c["good_steps"] += 1
     else:
         c["skipped"] += 1

@@ -124,6 +124,24 @@ def test_vision_cuda_attention_path_matches_cpu_fp32():
 
 
 @cuda
+def test_packed_attention_flex_matches_cpu_mask():
+    """Packed rows on CUDA attend through FlexAttention's block mask (memory linear in the row), on the CPU through
+    a boolean mask: the same outputs and gradients (fp32), whole rows and a cp rank's two zigzag chunks."""
+    import cp
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 1024, 64, generator=g) for h in (8, 2, 2))
+    seq_idx = torch.tensor([[0] * 300 + [1] * 500 + [2] * 224, [0] * 1000 + [1] * 24])
+    for spans, pos in (([(0, 1024)], torch.arange(1024)), (cp.spans(1024, 1, 2), cp.positions(1024, 1, 2))):
+        res = []
+        for dev in ("cpu", "cuda"):
+            t = [x.to(dev).requires_grad_() for x in (q[:, :, pos], k, v)]
+            o = model.attend(*t, spans, seq_idx.to(dev))
+            o.square().sum().backward()
+            res.append([o.detach().cpu()] + [x.grad.cpu() for x in t])
+        assert all(rel_err(a, b) < 1e-3 for a, b in zip(res[1], res[0])), [rel_err(a, b) for a, b in zip(*res)]
+
+
+@cuda
 def test_fused_kernels_compiled_match_eager():
     """Each fused.* function: its torch.compile'd CUDA version == the same function run eagerly (bf16 inputs,
     fp32 math inside both), values and gradients; the norms (not compiled) == themselves on fp32 copies."""

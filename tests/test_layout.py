@@ -14,19 +14,21 @@ H100 = 80 * GIB
 
 
 def dims(lay):
-    return (lay.colocated, lay.vision_tp, lay.vision_dp, lay.lm_tp, lay.lm_dp, lay.lm_ep, lay.lm_etp)
+    return (lay.colocated, lay.vision_tp, lay.vision_dp, lay.lm_tp, lay.lm_dp, lay.lm_ep, lay.lm_etp, lay.lm_cp)
 
 
 def choose(cfg, world, capacity=H100, cuda=True):
     """plan()'s choice and its one line, checked against every candidate: it fits, and it is the reference layout
-    or no fitting colocated layout moves fewer bytes (a tie goes to the smaller tp, ep, etp)."""
+    or no fitting colocated layout moves fewer bytes (a tie goes to the smaller tp, cp, ep, etp; layouts with cp > 1
+    count only when none without fits)."""
     said = []
     lay = layout.plan(cfg, world, capacity, cuda=cuda, say=said.append)
     plans = {c: memory.plan(cfg, c, cuda) for c in layout.candidates(cfg, world)}
     assert memory.fits(plans[lay], capacity) is None
     if lay != layout.reference(cfg, world):
         fitting = [c for c, rows in plans.items() if c.colocated and memory.fits(rows, capacity) is None]
-        key = {c: (layout.bytes_moved(cfg, c, cuda), c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting}
+        fitting = [c for c in fitting if c.lm_cp == 1] or fitting                # cp only where nothing else fits
+        key = {c: (layout.bytes_moved(cfg, c, cuda), c.lm_tp, c.lm_cp, c.lm_ep, c.lm_etp) for c in fitting}
         assert all(key[lay] < key[c] for c in fitting if c != lay)
     assert len(said) == 1 and lay.describe() in said[0], said
     return lay, plans[lay], said[0]
@@ -40,37 +42,41 @@ def test_nano_on_8_and_16_ranks():
     cfg = config.resolve("nano")
     assert cfg.activation_checkpointing and "nano" not in config.REFERENCE_LAYOUTS
     lay, rows, said = choose(cfg, 8)
-    assert dims(lay) == (True, 2, 4, 2, 4, 8, 1) and lay.lm_edp == 1
+    assert dims(lay) == (True, 2, 4, 2, 4, 8, 1, 1) and lay.lm_edp == 1
     assert peak(rows) == 71.30 and rows["vision"] == rows["language"]     # within 92 % of 79.2 GiB (an H100)
     assert "planned peak 71.3 GiB per rank of 80.0 GiB" in said and "of the 4 colocated layouts that fit" in said
-    # the others that fit: experts over ep x etp (the same expert bytes a rank) send rows over etp as well
+    # the others that fit: experts over ep x etp (the same expert bytes a rank) send rows over etp as well; with cp
+    # 2 or 4 in place of dp as many fit again, but cp is weighed only where nothing without it fits
     fitting = [c for c in layout.candidates(cfg, 8) if memory.fits(memory.plan(cfg, c), H100) is None]
-    assert sorted((c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting) == [(2, 1, 8), (2, 2, 4), (2, 4, 2), (2, 8, 1)]
+    assert sorted((c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == 1) == [(2, 1, 8), (2, 2, 4), (2, 4, 2),
+                                                                                    (2, 8, 1)]
+    assert len(fitting) == 12 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
     assert memory.fits(rows, 79.21 * GIB) is None   # an "80 GB" H100's total_memory
     lay, rows, _ = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1) and peak(rows) == 42.18
-    # tp is 1 or 2 only: tp must divide Nano's 2 KV heads
-    assert {c.lm_tp for c in layout.candidates(cfg, 16)} == {2}
+    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 42.18
+    # tp is 1 or 2 only: tp must divide Nano's 2 KV heads; tp 1 needs cp, as its global batch of 8 has 8 lanes at most
+    assert sorted({(c.lm_tp, c.lm_cp) for c in layout.candidates(cfg, 16)}) == [(1, 2), (1, 4), (1, 8), (2, 1), (2, 2),
+                                                                               (2, 4)]
 
 
 def test_20l_reference_on_8_ranks_colocated_on_16():
     cfg = config.resolve("20l")
     lay, rows, said = choose(cfg, 8)
-    assert dims(lay) == (False, 2, 2, 2, 2, 4, 1) and peak(rows) == 60.41 and "reference layout" in said
+    assert dims(lay) == (False, 2, 2, 2, 2, 4, 1, 1) and peak(rows) == 60.41 and "reference layout" in said
     lay, rows, said = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1) and peak(rows) == 27.74 and "fewest bytes" in said
+    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 27.74 and "fewest bytes" in said
 
 
 def test_tiny_on_1_2_4_ranks():
     cfg = config.resolve("tiny")
     lay, _, said = choose(cfg, 1)
-    assert dims(lay) == (True, 1, 1, 1, 1, 1, 1) and "the only colocated layout that fits" in said
+    assert dims(lay) == (True, 1, 1, 1, 1, 1, 1, 1) and "the only colocated layout that fits" in said
     lay, _, _ = choose(cfg, 2)
-    assert dims(lay) == (True, 1, 2, 1, 2, 1, 1)          # colocated dp, as without a capacity
+    assert dims(lay) == (True, 1, 2, 1, 2, 1, 1, 1)       # colocated dp, as without a capacity
     lay, _, _ = choose(cfg, 4)
-    assert dims(lay) == (False, 1, 2, 1, 2, 1, 1)         # the reference layout
+    assert dims(lay) == (False, 1, 2, 1, 2, 1, 1, 1)      # the reference layout
     lay, _, _ = choose(cfg, 2, capacity=memory.capacity(torch.device("cpu")), cuda=False)
-    assert dims(lay) == (True, 1, 2, 1, 2, 1, 1)
+    assert dims(lay) == (True, 1, 2, 1, 2, 1, 1, 1)
 
 
 def test_bytes_moved_by_hand():
@@ -78,7 +84,7 @@ def test_bytes_moved_by_hand():
     frozen: forward only), global batch 8 on 2 ranks."""
     cfg = train.config_of(["--preset", "tiny", "--hybrid-override-pattern", "*E"])
     T, D = 96, 64
-    at = {(c.lm_tp, c.lm_ep, c.lm_etp): c for c in layout.candidates(cfg, 2)}
+    at = {(c.lm_tp, c.lm_ep, c.lm_etp): c for c in layout.candidates(cfg, 2) if c.lm_cp == 1}
     # tp2 ep2 (dp 1, edp 1: no gradient traffic), 8 micro-batches. A 2-rank all-reduce sends the whole buffer, an
     # all-gather or all-to-all half of it. Per micro-batch:
     tp = (2 * (2 * 1 + 1 * 0.5)      # forward + backward: each layer's all-reduce, the MoE's all-gather of rows
@@ -96,6 +102,11 @@ def test_bytes_moved_by_hand():
     assert (lay.lm_tp, lay.lm_ep, lay.lm_etp) == (1, 1, 1)
     checkpointed = dataclasses.replace(cfg, activation_checkpointing=True)   # one forward more: tp and ep x 3 / 2
     assert layout.bytes_moved(checkpointed, at[2, 2, 1]) == 8 * ((3 * 2.5 + 2) * 2 * T * D + 1.5 * ep + vision)
+    # cp2 (dp 1): per micro-batch and attention layer pass a rank's K and V (48 tokens x 2 KV heads of 16, bf16)
+    # to the other; the gradients reduce over dp x cp = 2 as at dp2
+    (cp2,) = [c for c in layout.candidates(cfg, 2) if (c.lm_cp, c.lm_ep, c.lm_etp) == (2, 1, 1)]
+    kv = 2 * (T // 2) * 2 * 2 * 16
+    assert layout.bytes_moved(cfg, cp2) == 8 * 2 * kv + 432576 == 530880
 
 
 def test_none_fits_names_the_fix():
@@ -104,20 +115,20 @@ def test_none_fits_names_the_fix():
         layout.plan(nano, 4, H100)
     msg = str(e.value)
     assert msg.startswith("no layout of preset nano on 4 ranks fits 80.0 GiB per rank (the closest: colocated layout "
-                          "on 4 ranks: vision 4 (tp2 x dp2), language 4 (tp2 x cp1 x dp2 x pp1; experts etp1 x ep4 x "
-                          "edp1) needs 129.6 GiB per rank (weights, gradients, optimizer state, activations)). "
+                          "on 4 ranks: vision 4 (tp2 x cp2 x dp1), language 4 (tp2 x cp2 x dp1 x pp1; experts etp1 x "
+                          "ep4 x edp1) needs 127.2 GiB per rank (weights, gradients, optimizer state, activations)). "
                           "8 such ranks would fit, or --lora-rank 8 (trains adapters only) would on these 4"), msg
     assert "\n" not in msg and "--dry-run" in msg
     said = []       # the dry run (strict=False): the same line, and the closest layout to show the plan of
     lay = layout.plan(nano, 4, H100, say=said.append, strict=False)
-    assert said == [msg] and dims(lay) == (True, 2, 2, 2, 2, 4, 1)
+    assert said == [msg] and dims(lay) == (True, 2, 1, 2, 1, 4, 1, 2)
     layout.plan(dataclasses.replace(nano, lora_rank=8), 4, H100)          # both fixes hold by the same plan
     layout.plan(nano, 8, H100)
     no_ckpt = dataclasses.replace(nano, activation_checkpointing=False)
     with pytest.raises(SystemExit) as e:
         layout.plan(no_ckpt, 8, H100)
     msg = str(e.value)
-    assert "on 8 ranks fits 80.0 GiB" in msg and "needs 97.8 GiB per rank" in msg, msg
+    assert "on 8 ranks fits 80.0 GiB" in msg and "needs 79.4 GiB per rank" in msg and "tp2 x cp4" in msg, msg
     assert "--activation-checkpointing would fit" in msg and "\n" not in msg, msg
 
 
@@ -128,16 +139,16 @@ def test_given_layout_that_does_not_fit_is_refused():
     msg = str(e.value)
     assert msg.startswith("this layout does not fit: colocated layout on 8 ranks") and "needs 98.7 GiB per rank " \
         "(weights, gradients, optimizer state, activations), a rank here has 80.0 GiB" in msg, msg
-    assert dims(layout.plan(cfg, 8, H100, strict=False)) == (True, 2, 4, 2, 4, 4, 1)   # the dry run shows it
-    assert dims(layout.plan(cfg, 8)) == (True, 2, 4, 2, 4, 4, 1)                       # no capacity: no check
+    assert dims(layout.plan(cfg, 8, H100, strict=False)) == (True, 2, 4, 2, 4, 4, 1, 1)   # the dry run shows it
+    assert dims(layout.plan(cfg, 8)) == (True, 2, 4, 2, 4, 4, 1, 1)                       # no capacity: no check
     ok = train.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "8"])
     assert layout.plan(ok, 8, H100) == layout.plan(config.resolve("nano"), 8, H100)
 
 
 def test_without_capacity_unchanged():
     """No capacity: the reference layout on its world size, else colocated dp (tests/test_parallel.py has more)."""
-    assert dims(layout.plan(config.resolve("nano"), 8)) == (True, 1, 8, 1, 8, 1, 1)
-    assert dims(layout.plan(config.resolve("20l"), 8)) == (False, 2, 2, 2, 2, 4, 1)
-    assert dims(layout.plan(config.resolve("tiny"), 2)) == (True, 1, 2, 1, 2, 1, 1)
+    assert dims(layout.plan(config.resolve("nano"), 8)) == (True, 1, 8, 1, 8, 1, 1, 1)
+    assert dims(layout.plan(config.resolve("20l"), 8)) == (False, 2, 2, 2, 2, 4, 1, 1)
+    assert dims(layout.plan(config.resolve("tiny"), 2)) == (True, 1, 2, 1, 2, 1, 1, 1)
     with pytest.raises(SystemExit, match="global_batch 8 is not divisible"):   # nothing valid: the same error
         layout.plan(config.resolve("tiny"), 3, H100)

@@ -66,6 +66,28 @@ def test_language_rank_by_hand():
     assert (cpu["weights"], cpu["optimizer"]) == (4 * (dense + experts), 6 * dense + 8 * experts)
 
 
+def test_language_activations_under_cp_by_hand():
+    """The dry run's language activations at cp 2 and 4 (hetero: the language row is the language model alone), on
+    M * E with 4 Mamba groups: T = 96 / cp tokens a rank, attention's K and V over the whole row of 96, and the
+    largest exchange's send and receive buffers (here Mamba's in_proj rows: 2 x 128 + 2 x 4 x 16 + 8 wide)."""
+    D = 64
+    for cp in (2, 4):
+        cfg = train.config_of(["--preset", "tiny", "--hybrid-override-pattern", "M*E", "--n-groups", "4",
+                               "--stage", "3", "--vision-dp", "1", "--lm-dp", "1", "--lm-cp", str(cp)])
+        lay = layout.plan(cfg, 1 + cp)
+        T = 96 // cp
+        block = 2 * T * D + 4 * T
+        mamba = 2 * T * D + 2 * T * (2 * 128 + 2 * 64 + 8) + 2 * 2 * T * 128 + 4 * T * 4
+        attn = 2 * T * D + 2 * (T * 4 + 2 * 2 * 96) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4   # K, V: the whole row
+        moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64
+               + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)
+        logits = 2 * T * 512
+        head = 2 * 2 * T * D + logits + 8 * T
+        exchange = 2 * 2 * T * 392
+        want = 3 * block + mamba + attn + moe + head + logits + exchange
+        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 394944, 4: 203616}[cp]
+
+
 def test_vision_rank_and_plain_optimizer():
     rows, lay = plan()
     with torch.device("meta"):

@@ -248,7 +248,14 @@ def test_validation_messages():
          "colocated layout needs vision tp/dp == language tp/dp"),
         (Layout(4, True, 1, 2, 1, 2, micro_batch=1, global_batch=2), TINY,
          "colocated layout: vision 2 (tp1 x dp2) and language 2 (tp1 x cp1 x dp2 x pp1) must both equal WORLD_SIZE 4"),
-        (dataclasses.replace(hetero(1, 1, 1, 2), lm_pp=2, world=5), TINY, "supports cp = pp = 1 only"),
+        (dataclasses.replace(hetero(1, 1, 1, 2), lm_pp=2, world=5), TINY, "supports pp = 1 only"),
+        (dataclasses.replace(hetero(1, 1, 1, 1), lm_cp=5, world=6), TINY,
+         "seq_len 96 is not divisible by 2 x lm_cp = 10: context parallelism cuts each row into 2 x cp equal chunks "
+         "(--seq-len 90 would do)"),
+        (dataclasses.replace(hetero(1, 1, 1, 1), lm_cp=4, world=5), TINY,
+         "lm_tp x lm_cp = 4 does not divide n_groups 2"),
+        (dataclasses.replace(hetero(1, 1, 4, 1), lm_cp=3, world=13), dataclasses.replace(TINY, seq_len=18),
+         "micro_batch x seq_len / lm_cp = 6 tokens per rank are not divisible by lm_tp 4"),
         (Layout(4, False, 0, 2, 1, 2, micro_batch=1, global_batch=2), TINY, "sizes must be positive integers"),
     ]
     for lay, cfg, msg in cases:
@@ -338,7 +345,8 @@ def test_setup_groups():
     for i in range(3):       # every rank issued the same group creations in the same order
         assert all(r[i][0] == results[0][i][0] for r in results)
     labels = [label for label, _ in results[0][0][0]]
-    assert labels == ["vision tp", "vision dp", "vision tp-dp", "lm tp", "lm cp", "lm dp", "lm pp", "lm dp-cp",
+    assert labels == ["vision tp", "vision cp", "vision dp", "vision dp-cp", "vision tp-cp", "vision tp-dp",
+                      "vision tp-cp-dp-pp", "lm tp", "lm cp", "lm dp", "lm pp", "lm dp-cp",
                       "lm tp-cp", "lm tp-pp", "lm tp-dp", "lm tp-dp-cp", "lm tp-cp-dp-pp", "lm ep", "lm etp",
                       "lm edp", "lm etp-ep", "lm etp-ep-pp", "bridge"]
     assert results[5][0][1] == "lm tp1/2 dp0/2 ep1/2 etp0/1 edp0/2 rank5"

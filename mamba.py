@@ -18,12 +18,18 @@ conv kernel width. Sizes: H heads, P head dim, G groups, N state size (lowercase
 positions in a chunk, z a chunk). The tensors B, C (ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the
 SSM's input, output and skip terms (docs/decoder.md §2), not sizes.
 """
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
 import cp
+
+# Triton autotunes the Mamba kernels for each new shape in every new process (most of a minute's start-up): its
+# results kept in Triton's cache directory let the next process on the machine reuse them.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 class Mamba2Mixer(nn.Module):
@@ -57,8 +63,8 @@ class Mamba2Mixer(nn.Module):
         u_BMD = comm.copy_to(u_BMD, self.tp_group)
         GN = self.ngroups * self.dstate
         zxbcdt = cp.to_heads(self.in_proj(u_BMD), [self.d_inner, self.d_inner, GN, GN, self.nheads], self.cp_group)
-        if zxbcdt.is_cuda:
-            y = self._kernel_path(zxbcdt, seq_idx)
+        if zxbcdt.is_cuda and (self.d_inner + 2 * GN) // comm.group_size(self.cp_group) % 8 == 0:
+            y = self._kernel_path(zxbcdt, seq_idx)   # (causal_conv1d reads its channels 8 at a time)
         else:
             y = self._reference_path(zxbcdt, seq_idx)
         return comm.reduce_from(self.out_proj(cp.to_positions(y, self.cp_group)), self.tp_group)
@@ -96,6 +102,9 @@ class Mamba2Mixer(nn.Module):
         conv_w, conv_b, dt_bias, A_log, D, norm_w, _, G = self._heads()
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
+        W = zxbcdt.shape[-1]
+        if W % 8:   # causal_conv1d's channels-last input needs row strides in multiples of 8: a padded row's view
+            zxbcdt = F.pad(zxbcdt, (0, -W % 8))[..., :W]
         # norm_before_gate=False and eps 1e-5: the kernel defaults (True, 1e-6) are wrong for Nemotron.
         return mamba_split_conv1d_scan_combined(
             zxbcdt, conv_w, conv_b, dt_bias, -torch.exp(A_log.float()), D, self.chunk_size, seq_idx=seq_idx,

@@ -125,16 +125,15 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
     }
     depths = model.mtp_depths(cfg)   # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
     layers = [block + mixer[k] for k in cfg.hybrid_override_pattern + cfg.mtp_pattern * depths]
-    logits = 2 * T * cfg.vocab_size / tp
-    head = 2 * 2 * T * D + logits + 8 * T                       # norm_f and lm_head inputs, logits, lse
-    if checkpointing:
-        saved = len(layers) * 2 * T * D + max(layers)              # each layer's input + the one being recomputed
-    else:
-        saved = sum(layers)
+    saved = len(layers) * 2 * T * D + max(layers) if checkpointing else sum(layers)   # checkpointing: each layer's
+    chunked = checkpointing and T > model.CE_CHUNK       # input + the one being recomputed; model.loss_sum's chunks
+    logits = 2 * (model.CE_CHUNK if chunked else T) * cfg.vocab_size / tp
+    head = 2 * 2 * T * D + (0 if chunked else logits + 8 * T)   # norm_f and lm_head inputs (logits, lse: unchunked)
     # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V
     exchange = 2 * 2 * T * max((2 * d_in + 2 * gn + H) * ("M" in cfg.hybrid_override_pattern),
                                cp * 2 * nkv * hd * ("*" in cfg.hybrid_override_pattern)) / tp if cp > 1 else 0
-    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + logits + exchange   # logits: their gradient too
+    # + the logits' gradient at backward (chunked: with the recomputed chunk's logits)
+    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + (2 if chunked else 1) * logits + exchange
 
 
 def vision_tokens(cfg, lay):

@@ -31,6 +31,7 @@ from fused import RMSNorm
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
 
+CE_CHUNK = 8192   # tokens a head + cross-entropy chunk holds under activation checkpointing (loss_sum)
 SEED = 20000   # the language model's weights are drawn from cfg.seed + SEED (train.py: seeds)
 
 
@@ -216,10 +217,19 @@ class LanguageModel(nn.Module):
         return self.lm_head(comm.copy_to(hidden, self.tp_group))
 
     def loss_sum(self, hidden, labels):
-        """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation)."""
-        logits = self.logits(hidden).flatten(0, 1)
-        losses = vocab_parallel_cross_entropy(logits, labels.flatten(), self.tp_group)
-        return losses.sum(), (labels != -100).sum()
+        """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation).
+        Under activation checkpointing the head and loss run CE_CHUNK tokens at a time, each chunk's logits
+        recomputed in backward: the logits of a long row (65536 x 131072 x 2 bytes = 16 GiB, and their gradient)
+        are never alive at once, one chunk's are."""
+        count = (labels != -100).sum()
+        h_ND, t_N = hidden.flatten(0, 1), labels.flatten()
+        if not (self.checkpoint_layers and torch.is_grad_enabled()) or len(t_N) <= CE_CHUNK:
+            return self._chunk_loss(h_ND, t_N), count
+        return sum(torch.utils.checkpoint.checkpoint(self._chunk_loss, h, t, use_reentrant=False)
+                   for h, t in zip(h_ND.split(CE_CHUNK), t_N.split(CE_CHUNK))), count
+
+    def _chunk_loss(self, h_ND, t_N):
+        return vocab_parallel_cross_entropy(self.logits(h_ND), t_N, self.tp_group).sum()
 
 
 class MTP(nn.Module):

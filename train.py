@@ -176,7 +176,7 @@ class Run:
     lay: layout.Layout
     par: object                          # parallel.setup(): this rank's groups and coordinates
     device: torch.device
-    log_rank: bool                       # language tp 0 / dp 0 prints (it knows the loss)
+    log_rank: bool                       # language tp 0 / cp 0 / dp 0 prints (it knows the loss)
     own_group: bool                      # we created the process group (tests call main() inside one)
     vision: VisionModel = None
     lm: model.LanguageModel = None
@@ -237,8 +237,8 @@ def setup(cfg, inv, lay, start, device):
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
-    run = Run(cfg, start, lay, par, device, par.lm is not None and par.lm.tp_rank == 0 and par.lm.dp_rank == 0,
-              own_group)
+    m = par.lm
+    run = Run(cfg, start, lay, par, device, m is not None and m.tp_rank == m.cp_rank == m.dp_rank == 0, own_group)
     if par.in_vision:
         run.vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)

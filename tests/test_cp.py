@@ -3,6 +3,8 @@
 straddle the shards' boundaries == one process, hetero and colocated, with tp 2, ep 2, LoRA and activation
 checkpointing; resume from cp 2 into cp 1 and cp 4.
 """
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -178,6 +180,18 @@ def test_training_step_matches_one_process(name, step_data, reference):
 def test_lora_with_activation_checkpointing_matches_one_process(step_data):
     argv = step_data + ["--lora-rank", "4", "--activation-checkpointing"]
     assert_step_matches(run(argv + ["--colocated", "--lm-cp", "2"], 2), run(argv, 1)[0], "LoRA cp2")
+
+
+def _step_lines(rank, world, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main(list(argv))
+    return sum(line.startswith("step ") for line in out.getvalue().splitlines())
+
+
+def test_one_rank_prints_the_step_lines(step_data):
+    """The cp ranks of a lane all know the loss; only cp rank 0 prints it (both did: every line came twice)."""
+    assert run_distributed(_step_lines, 2, step_data + ["--colocated", "--lm-cp", "2", "--steps", "2"]) == [2, 0]
 
 
 # ---------------------------------------------------------------- resume across cp sizes

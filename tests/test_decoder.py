@@ -275,11 +275,14 @@ def test_deepep_dispatcher_without_package_fails_clearly():
         moe.MoE(config.resolve("tiny"), dispatcher="nccl")
 
 
-def test_activation_checkpointing_same_grads_and_counts_tokens_once():
+def test_activation_checkpointing_same_grads_and_counts_tokens_once(monkeypatch):
+    """Checkpointed layers, and the head + loss in chunks of 24 of the 80 tokens (recomputed in backward), give the
+    plain run's loss and gradients; the router counts each token once."""
     cfg, lm = tiny_lm()
     ids = torch.randint(0, cfg.vocab_size, (2, 40))
     results = []
-    for ckpt in (False, True):
+    for ckpt, chunk in ((False, model.CE_CHUNK), (True, model.CE_CHUNK), (True, 24)):
+        monkeypatch.setattr(model, "CE_CHUNK", chunk)
         lm.zero_grad()
         lm.checkpoint_layers = ckpt
         s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)
@@ -289,10 +292,11 @@ def test_activation_checkpointing_same_grads_and_counts_tokens_once():
             if isinstance(m, moe.Router):
                 m.tokens_per_expert.zero_()
         results.append((s.item(), [p.grad.clone() for p in lm.parameters()], counts))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b)
-    assert torch.equal(results[0][2], results[1][2]) and results[1][2].sum() == 3 * 80 * cfg.num_experts_per_tok
+    for other in results[1:]:
+        assert results[0][0] == pytest.approx(other[0], rel=1e-6)
+        for a, b in zip(results[0][1], other[1]):
+            torch.testing.assert_close(a, b)
+        assert torch.equal(results[0][2], other[2]) and other[2].sum() == 3 * 80 * cfg.num_experts_per_tok
 
 
 def test_padding_is_routed_but_not_counted_or_balanced():

@@ -327,6 +327,28 @@ def test_bad_videos(tmp_path, capsys, monkeypatch):
         data.Encoder(tok, no_embedder).encode(lines[0], str(tmp_path), pixels=False)
 
 
+def test_video_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
+    """Hetero on 2 ranks (vision 0, language 1): a video broken after indexing fails where it is read, and the step
+    blanks that sample on both ranks, reported with its file:line, as a damaged image is (failsafe.SkipBad)."""
+    for name in "abc":
+        write_video(tmp_path / f"{name}.mov", frames_of(2, 32, 32, ord(name)))
+    path = _jsonl(tmp_path / "v.jsonl", [_chat({"type": "video", "video": f"{n}.mov"}, n * 2) for n in "abc"])
+    argv = TINY + ["--vision-dp", "1", "--lm-dp", "1", "--data", path, "--skip-bad-samples", "--seq-len", "256",
+                   "--seed", "1234"]
+    cfg = config.resolve("tiny", {"video_temporal_patch": "2", "video_target_patches": "16", "data": path,
+                                  "seed": "1234", "seq_len": "256", "skip_bad_samples": "true"})
+    ds, _ = data.build(cfg, data.load_tokenizer(None, cfg))                   # the index cache
+    raw = (tmp_path / "b.mov").read_bytes()
+    (tmp_path / "b.mov").write_bytes(raw[: len(raw) // 2])
+    bad = [i for i in range(8) if ds.doc(0, i) == 1]   # samples of the 2 steps that draw b.mov's line
+    results = run_distributed(_train, 2, argv + ["--steps", "2"], timeout=120.0)
+    assert all(loss is not None for loss, _ in results[1][0]) and len(results[0][0]) == 2
+    out = capfd.readouterr().out
+    for n, i in enumerate(bad, 1):
+        assert f"skipped sample {i} ({path}:2: " in out and f"{n} skipped at load time so far" in out, out
+    assert out.count("skipped at load time so far") == len(bad) >= 1 and "b.mov" in out
+
+
 # ---------------------------------------------------------------- training
 
 def _video_data(tmp_path):

@@ -4,6 +4,7 @@ around tubelets == transformers' video processor code (called directly: its clas
 here); video records by hand (files, frame lists, video_url, --video-fps / --max-frames), headers-only indexing,
 bad videos; hetero training with videos == one process, resume bit-exact; FLOPs and memory plan count tubelets.
 Test videos are written by PyAV in the test (PNG frames in .mov: lossless, so frames are known exactly)."""
+import base64
 import dataclasses
 import json
 import os
@@ -250,6 +251,9 @@ def test_video_record_by_hand(tmp_path):
     assert torch.equal(tubes[1], torch.cat([radio.resize(frames[2], 2, 4, 16)] * 2))
     assert enc.encode(_chat({"type": "video", "video": "v.mov"}), str(tmp_path), pixels=False)[0] == ids
     url = enc.encode(_chat({"type": "video_url", "video_url": {"url": "v.mov"}}), str(tmp_path), pixels=True)
+    assert url[0] == ids and all(torch.equal(a, c) for a, c in zip(url[2], tubes))
+    inline = "data:video/quicktime;base64," + base64.b64encode((tmp_path / "v.mov").read_bytes()).decode()
+    url = enc.encode(_chat({"type": "video_url", "video_url": {"url": inline}}), str(tmp_path), pixels=True)
     assert url[0] == ids and all(torch.equal(a, c) for a, c in zip(url[2], tubes))
     listed = enc.encode(_chat({"type": "video", "video": [f"f{i}.png" for i in range(5)]}), str(tmp_path), True)
     assert bytes(i for i in listed[0] if i < 256).decode().count("Frame 1 and frame 2: ") == 1

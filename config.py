@@ -70,6 +70,12 @@ class Config:
     min_num_patches: int = 1024
     max_num_patches: int = 13312
     image_token_id: int = 511
+    video_temporal_patch: int = _f(0, "frames per video tubelet of the tower's video embedder (Nano Omni: 2; "
+                                   "0: no video embedder, images only); docs/vision.md §11")
+    video_target_patches: int = _f(1024, "a video frame's fixed canvas, in patches (its aspect kept): "
+                                   "transformers' video_target_num_patches")
+    video_fps: float = _f(0.0, "sample a video at this many frames per second of its own time (0: every frame)")
+    max_frames: int = _f(0, "at most this many frames of a video, sampled evenly over it (0: no limit)")
     # ---- data ----
     seq_len: int = 8192
     data: str = _f("mock", "mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend '0.7:a.jsonl,0.3:b/*.parquet'")
@@ -154,7 +160,7 @@ LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_
                    "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "intermediate_size",
                    "routed_scaling_factor", "norm_eps", "init_std", "num_nextn_predict_layers", "mtp_pattern")
 VISION_FIELDS = ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
-                 "class_token_len", "projector_hidden")
+                 "class_token_len", "projector_hidden", "video_temporal_patch")
 # What a checkpoint's weights mean: they load only into a run with equal values (checkpoint.load checks them).
 MODEL_FIELDS = LANGUAGE_FIELDS + VISION_FIELDS + ("image_token_id",)
 # ... and what a resumed run may not change besides: the adapters, the preset behind the defaults, the tokenizer
@@ -296,13 +302,14 @@ def changes(old, new, names=None):
 # given) always does.
 RANGES = [
     (("steps", "lr_warmup_iters", "lr_warmup_samples", "save_every", "keep_last", "max_skipped_steps", "eval_every",
-      "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed", "num_nextn_predict_layers"), 0,
+      "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed", "num_nextn_predict_layers",
+      "video_temporal_patch", "max_frames"), 0,
      ">= 0"),
     (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
       "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
-      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths"), 1, ">= 1"),
+      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths", "video_target_patches"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
-      "mtp_loss_scale"), 0.0, ">= 0"),
+      "mtp_loss_scale", "video_fps"), 0.0, ">= 0"),
 ]
 
 
@@ -340,6 +347,8 @@ def check(cfg):
         errors.append("num_experts_per_tok exceeds n_routed_experts")
     if cfg.vit_hidden % cfg.vit_heads:
         errors.append("vit_hidden must be a multiple of vit_heads")
+    if cfg.video_temporal_patch == 1:   # transformers tells tubelets from images by their channel count
+        errors.append("--video-temporal-patch 1: must be 0 (no video embedder) or at least 2")
     if not 0 <= cfg.image_token_id < cfg.vocab_size:
         errors.append("image_token_id must be a valid token id")
     if errors:

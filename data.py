@@ -8,7 +8,8 @@ tokens (image_token_id) in input_ids (docs/vision.md §9).
 
 Real data (--data PATH or "0.7:a.jsonl,0.3:b/*.parquet"; files, formats and record shapes: formats.py), any of
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": "..."},
-                {"type": "image", "image": "path relative to the JSONL file, or absolute"}]}, ...]}
+                {"type": "image", "image": "path relative to the JSONL file, or absolute"},
+                {"type": "video", "video": "path" | ["frame paths"]}]}, ...]}   (video.py: tubelets of t frames)
   {"text": "..."}                                  BOS + text + EOS, all trained
   {"input_ids": [...], "loss_mask": [...]}         as is; loss_mask[t] = 1 trains token t as a target (default all)
 Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, the k-th draw of s is document
@@ -29,6 +30,7 @@ import torch
 import formats
 import parallel
 import radio
+import video
 from formats import Bad, BadSample, Overlong
 
 # Special tokens of the chat template (ChatML as in Nemotron Nano v2 / Nano-VL): <|im_start|>role\n...<|im_end|>\n;
@@ -189,11 +191,14 @@ def _part(part):
         return "text", part["text"]
     if kind == "image" and isinstance(part.get("image"), (str, bytes)):   # bytes: stored in the record
         return "image", part["image"]
-    url = part.get("image_url") if kind == "image_url" else None
+    frames = part.get("video") if kind == "video" else None
+    if isinstance(frames, str) or isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
+        return "video", frames
+    url = part.get(kind) if kind in ("image_url", "video_url") else None
     url = url.get("url") if isinstance(url, dict) else url
     if isinstance(url, str):
-        return "image", url
-    raise Bad(f"bad content part {str(part)[:80]} (expected type text, image or image_url)")
+        return kind[:5], url
+    raise Bad(f"bad content part {str(part)[:80]} (expected type text, image, image_url, video or video_url)")
 
 
 class Encoder:
@@ -205,10 +210,13 @@ class Encoder:
         self.tok, self.cfg, self.train_on, self.sp, self.overlong = tok, cfg, train_on, tok.special, overlong
         self.n_truncated = 0                         # documents truncated so far (the index counts them)
         self.fingerprint = json.dumps([tok.fingerprint, train_on, cfg.seq_len, cfg.vit_patch, cfg.min_num_patches,
-                                       cfg.max_num_patches, cfg.vocab_size, cfg.image_token_id, overlong])
+                                       cfg.max_num_patches, cfg.vocab_size, cfg.image_token_id, overlong,
+                                       cfg.video_temporal_patch, cfg.video_target_patches, cfg.video_fps,
+                                       cfg.max_frames])
 
     def pieces(self, obj):
-        """-> [(token ids, trained: bool or one per id) | (image path, trained)] in stream order."""
+        """-> [(token ids, trained: bool or one per id) | (image reference | ("video", reference), trained)] in
+        stream order."""
         if not isinstance(obj, dict):
             raise Bad("a line must hold a JSON object")
         sp, enc = self.sp, self.tok.encode
@@ -236,12 +244,13 @@ class Encoder:
         (headers trained only under --train-on all, each turn's <|im_end|> trained with its turn)."""
         everything = self.train_on == "all"
         turns = self._turns(messages)
-        if getattr(self.tok, "template", None):
+        if getattr(self.tok, "template", None):   # a video takes an image's place in the template (vision.md §11)
             conv = [{"role": r, "content": c if isinstance(c, str) else [
                 {"type": "text", "text": x} if kind == "text" else {"type": "image"} for kind, x in c]}
                 for r, c in turns]
             ids, mask = self.tok.render(conv)
-            images = [x for _, c in turns if not isinstance(c, str) for kind, x in c if kind == "image"]
+            images = [x if kind == "image" else (kind, x) for _, c in turns if not isinstance(c, str)
+                      for kind, x in c if kind != "text"]
             at = [t for t, i in enumerate(ids) if i == self.cfg.image_token_id]
             if len(at) != len(images):
                 raise Bad(f"the chat template rendered {len(at)} <image> tokens for {len(images)} images")
@@ -257,15 +266,16 @@ class Encoder:
             train = everything or role == "assistant"
             out.append(([sp["<|im_start|>"]] + enc(role + "\n"), everything))
             for kind, x in [("text", content)] if isinstance(content, str) else content:
-                out.append((enc(x) if kind == "text" else x, train))
+                out.append((enc(x) if kind == "text" else x if kind == "image" else (kind, x), train))
             out.append(([sp["<|im_end|>"]], train))      # trained: the model learns to end its turn
             out.append((enc("\n"), everything))
         return out
 
     @staticmethod
     def _turns(messages):
-        """Checked messages -> [(role, str | [("text", str) | ("image", reference)])]. Image parts: {"type": "image",
-        "image": PATH} or OpenAI's {"type": "image_url", "image_url": {"url": PATH | data: URL}}."""
+        """Checked messages -> [(role, str | [("text", str) | ("image" | "video", reference)])]. Image parts:
+        {"type": "image", "image": PATH} or OpenAI's {"type": "image_url", "image_url": {"url": PATH | data: URL}};
+        video parts alike ("video": PATH or a list of frame paths, "video_url")."""
         if not isinstance(messages, list) or not messages:
             raise Bad("'messages' must be a non-empty list")
         turns = []
@@ -278,37 +288,82 @@ class Encoder:
                 raise Bad(f"{role} content must be a string or a list of parts")
             parts = content if isinstance(content, str) else [_part(p) for p in content]
             filled = bool(content.strip()) if isinstance(content, str) else \
-                any(kind == "image" or x.strip() for kind, x in parts)
+                any(kind != "text" or x.strip() for kind, x in parts)
             if role == "assistant" and not filled:      # would train the model to answer with nothing
                 raise Bad("empty assistant turn")
             turns.append((role, parts))
         return turns
 
+    def video(self, ref, base_dir, pixels, verify=False):
+        """A video part -> (grid (th, tw), the label ids before each tubelet, tubelets [3t, th*p, tw*p] or None
+        without pixels). A file's header alone gives what the token count needs (docs/vision.md §11)."""
+        cfg, t = self.cfg, self.cfg.video_temporal_patch
+        if not t:
+            raise SystemExit("video data needs a tower with a video embedder. Pass --video-temporal-patch 2 (Nano "
+                             "Omni's tubelets) or --load an Omni checkpoint")
+        if isinstance(ref, list):   # frame images, no rate
+            srcs = [formats.image_source(r, base_dir) for r in ref]
+            sizes = {_open_image(src, False, verify)[0] for src in srcs}
+            if len(sizes) > 1:
+                raise Bad(f"the frames of a video differ in size: {sorted(sizes)}")
+            n, fps, size = len(ref), None, sizes.pop()
+        else:
+            src = formats.image_source(ref, base_dir)
+            n, fps, size = video.probe(src)
+        at = video.sample_indices(n, fps, cfg.video_fps, cfg.max_frames)
+        th, tw = video.canvas(*size, cfg.video_target_patches, cfg.vit_patch)
+        heads = [self.tok.encode(s) for s in video.labels(at, fps, t)]
+        if not pixels:
+            return (th, tw), heads, None
+        if isinstance(ref, list):
+            frames = torch.stack([_open_image(srcs[k], True)[1] for k in at])
+        else:
+            if hasattr(src, "seek"):   # a data: URL's bytes, read once by probe
+                src.seek(0)
+            frames = video.decode(src, at)
+        return (th, tw), heads, video.tubelets(frames, th, tw, cfg.vit_patch, t)
+
     def encode(self, obj, base_dir, pixels, verify=False):
-        """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors, or None without pixels.
-        Images share the room the text leaves in seq_len (docs/vision.md §8)."""
+        """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors (images [3, H, W], video
+        tubelets [3t, H, W]), or None without pixels. A video's tokens count as text; the images share the room
+        the text leaves in seq_len (docs/vision.md §8, §11)."""
         cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
         pieces = self.pieces(obj)
-        wrap = ("<img>" in sp) + ("</img>" in sp)
-        paths = [formats.image_source(x, base_dir) for x, _ in pieces if not isinstance(x, list)]
-        n_text = sum(len(x) for x, _ in pieces if isinstance(x, list)) + wrap * len(paths)
+        wrap = [sp["<img>"]] * ("<img>" in sp), [sp["</img>"]] * ("</img>" in sp)
+        videos = {k: self.video(x[1], base_dir, pixels, verify) for k, (x, _) in enumerate(pieces)
+                  if isinstance(x, tuple)}
+        paths = [formats.image_source(x, base_dir) for x, _ in pieces if isinstance(x, (str, bytes))]
+        nl = self.tok.encode("\n")
+        n_video = sum(sum(len(h) + len(wrap[0]) + len(wrap[1]) + th * tw // 4 for h in heads)
+                      + len(nl) * (len(heads) - 1) for (th, tw), heads, _ in videos.values())
+        n_text = sum(len(x) for x, _ in pieces if isinstance(x, list)) + (len(wrap[0]) + len(wrap[1])) * len(paths)
         if any(cfg.image_token_id in x for x, _ in pieces if isinstance(x, list)):
             raise Bad("text holds the image token; its placeholders would not match the images")
         opened = [_open_image(path, pixels, verify) for path in paths]
-        grids = radio.compute_params([size for size, _ in opened], max(cfg.seq_len - n_text, 0),
-                                     cfg.min_num_patches, cfg.max_num_patches, p)
-        ids, mask, images, runs = [], [], [], []      # runs: [start, end) of each image's tokens
-        for x, train in pieces:
+        grids = iter(radio.compute_params([size for size, _ in opened], max(cfg.seq_len - n_text - n_video, 0),
+                                          cfg.min_num_patches, cfg.max_num_patches, p))
+        opened = iter(opened)
+        ids, mask, images, runs = [], [], [], []      # runs: [start, end) of each image's or tubelet's tokens
+        for k, (x, train) in enumerate(pieces):
             if not isinstance(x, list):
-                k = len(runs)
-                (th, tw), (_, u8) = grids[k], opened[k]
-                run = [sp["<img>"]] * ("<img>" in sp) + [cfg.image_token_id] * (th * tw // 4) + \
-                    [sp["</img>"]] * ("</img>" in sp)
-                runs.append((len(ids), len(ids) + len(run)))
-                ids += run
-                mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
+                if k in videos:
+                    (th, tw), heads, tubes = videos[k]
+                else:
+                    (th, tw), heads, tubes = next(grids), [[]], None
+                    u8 = next(opened)[1]
+                    tubes = [radio.resize(u8, th, tw, p)] if pixels else None
+                for g, head in enumerate(heads):
+                    if g:
+                        ids += nl
+                        mask += [train] * len(nl)
+                    ids += head
+                    mask += [train] * len(head)
+                    run = wrap[0] + [cfg.image_token_id] * (th * tw // 4) + wrap[1]
+                    runs.append((len(ids), len(ids) + len(run)))
+                    ids += run
+                    mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
                 if pixels:
-                    images.append(radio.resize(u8, th, tw, p))
+                    images += tubes
             else:
                 ids += x
                 mask += train if isinstance(train, list) else [train] * len(x)
@@ -589,19 +644,22 @@ def collate_text(samples):
 
 
 def collate_images(samples, cfg):
-    """-> packed patches [T, 3p²], grids [(h, w)], image rows per sample (vision side).
+    """-> packed patch rows [Σ t*h*w, 3p²], grids [(h, w)], image rows per sample, frames [t] per item (vision side):
+    an image is t = 1, a video tubelet [3t, H, W] gives each patch's t frame vectors as t consecutive rows
+    (radio.VisionModel.embed).
 
     Images are already at a patch-aligned size here; the token budget (radio.compute_params) decided it
     when the sample was made, so the count of placeholder tokens and of image rows agree by construction.
     """
-    p, patches, grids, rows = cfg.vit_patch, [], [], []
+    p, patches, grids, rows, frames = cfg.vit_patch, [], [], [], []
     for s in samples:
         n = 0
         for img in s.images:
-            h, w = img.shape[1] // p, img.shape[2] // p
-            patches.append(radio.patchify(img, p))
+            h, w, t = img.shape[1] // p, img.shape[2] // p, img.shape[0] // 3
+            patches.append(radio.patchify(img, p).reshape(h * w * t, 3 * p * p))
             grids.append((h, w))
+            frames.append(t)
             n += h * w // 4
         rows.append(n)
     packed = torch.cat(patches) if patches else torch.zeros(0, 3 * p * p)
-    return packed, grids, rows
+    return packed, grids, rows, frames

@@ -54,12 +54,12 @@ RADIO_FIXED = dict(hidden_act="gelu", use_swiglu_ffn=False, qkv_bias=True, layer
                    drop_path_rate=0.0)
 OMNI_LM, OMNI_VISION, RADIO_ROOT = "language_model.", "vision_model.", "radio_model.model."
 # Weights of released checkpoints this model does not use: skipped on import, with one line naming them.
-UNUSED = {"video embedder": r"patch_generator\.video_embedder\.", "RADIO summary_idxs": r"summary_idxs$",
+UNUSED = {"RADIO summary_idxs": r"summary_idxs$",
           "RADIO input conditioner": r"input_conditioner\.", "sound encoder / projection": r"^sound_",
           "LayerScale (all ones: identity)": r"\.(layer_scale[12]\.lambda1|ls[12]\.gamma)$"}
 LAYER_SCALE = re.compile(UNUSED["LayerScale (all ones: identity)"])
 # ... of which an export carries these through unchanged from the HF directory a run started from (copy_source)
-CARRIED = ("video embedder", "RADIO summary_idxs", "RADIO input conditioner", "sound encoder / projection")
+CARRIED = ("RADIO summary_idxs", "RADIO input conditioner", "sound encoder / projection")
 CARRIED_NAME = "carried.safetensors"
 WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|\.index\.json$")
 
@@ -105,6 +105,11 @@ def config_from_hf(hf, source="config.json", preset=None, image_token_id=None, r
             errors.append(f"vision_hidden_size={width}: the projector input must be 4 x the vision width "
                           f"{vision['vit_hidden']}")
         over["projector_hidden"] = hf.get("projector_hidden_size", 4096)
+        # transformers' Omni always has the video embedder: vision_config's size must equal this one (default 2)
+        over["video_temporal_patch"] = hf.get("video_temporal_patch_size", 2)
+        if vision["video_temporal_patch"] not in (0, over["video_temporal_patch"]):
+            errors.append(f"vision_config.video_temporal_patch_size={vision['video_temporal_patch']} but "
+                          f"video_temporal_patch_size={over['video_temporal_patch']}")
         token = hf.get("image_token_id", hf.get("img_context_token_id"))
     elif kind == "nemotron_h":
         over, errors = _language_fields(hf, f"{source}: ", preset)
@@ -160,7 +165,8 @@ def _vision_fields(vc, where):
         errors.append(f"{where}max_img_size={side} is not a multiple of patch_size {p}")
     return dict(vit_hidden=C, vit_depth=vc.get("num_hidden_layers", 32), vit_heads=vc.get("num_attention_heads", 16),
                 vit_mlp=round(C * vc.get("mlp_ratio", 4.0)), vit_patch=p, vit_cpe_grid=side // p,
-                class_token_len=vc.get("num_cls_tokens", 3) + vc.get("num_registers", 7)), errors
+                class_token_len=vc.get("num_cls_tokens", 3) + vc.get("num_registers", 7),
+                video_temporal_patch=vc.get("video_temporal_patch_size") or 0), errors
 
 
 def hf_config(cfg, torch_dtype="bfloat16", token_ids=None):
@@ -181,20 +187,22 @@ def summary_idxs(cfg):
 
 def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
     """Our Config -> an HF nemotron_h_omni config.json (the VLM). RADIO's class tokens and registers are one
-    learned block to both models; it is written as up to 3 class tokens + the rest as registers (C-RADIO's split)."""
-    cls = min(cfg.class_token_len, 3)
+    learned block to both models; it is written as up to 3 class tokens + the rest as registers (C-RADIO's split).
+    A tower without a video embedder is written with transformers' default of 2 frames (its Omni always has one:
+    transformers draws it fresh)."""
+    cls, video_t = min(cfg.class_token_len, 3), cfg.video_temporal_patch or 2
     vision = {"model_type": "radio", "hidden_size": cfg.vit_hidden, "num_hidden_layers": cfg.vit_depth,
               "num_attention_heads": cfg.vit_heads, "mlp_ratio": cfg.vit_mlp / cfg.vit_hidden,
               "patch_size": cfg.vit_patch, "max_img_size": cfg.vit_cpe_grid * cfg.vit_patch, "num_cls_tokens": cls,
               "num_registers": cfg.class_token_len - cls, "norm_mean": list(radio.CLIP_MEAN),
-              "norm_std": list(radio.CLIP_STD), "video_temporal_patch_size": 2, "summary_idxs": summary_idxs(cfg),
+              "norm_std": list(radio.CLIP_STD), "video_temporal_patch_size": video_t, "summary_idxs": summary_idxs(cfg),
               **RADIO_FIXED}
     text = {k: v for k, v in hf_config(cfg, torch_dtype, token_ids).items() if k not in ("architectures",)}
     return {"architectures": ["NemotronH_Omni_Reasoning_V3"], "model_type": "nemotron_h_omni",
             "torch_dtype": torch_dtype, "text_config": text, "vision_config": dict(sorted(vision.items())),
             "downsample_ratio": 0.5, "projector_hidden_size": cfg.projector_hidden,
             "vision_hidden_size": cfg.vit_hidden, "image_token_id": cfg.image_token_id,
-            "video_temporal_patch_size": 2}
+            "video_temporal_patch_size": video_t}
 
 
 # ---------------------------------------------------------------- HF export
@@ -244,7 +252,8 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
         if theirs.get("model_type") == hf["model_type"]:
             hf = _merge_config(theirs, hf)
             with safe_open(os.path.join(source, CARRIED_NAME), framework="pt") as f:
-                tensors.update({k: cast(f.get_tensor(k)) for k in f.keys()})
+                # a checkpoint written before the video embedder trained carries it too: ours wins
+                tensors.update({k: cast(f.get_tensor(k)) for k in f.keys() if k not in tensors})
         for name in os.listdir(source):   # processor configs, chat template, remote code, generation config
             if name not in (checkpoint.CONFIG_NAME, CARRIED_NAME):
                 shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
@@ -342,6 +351,11 @@ class HFSource:
             raise ValueError(f"{vision_hf}/config.json: model_type {radio_hf.get('model_type')!r}, expected 'radio'")
         self.cfg = config_from_hf(hf, source, preset, image_token_id, radio_hf)
         files = _tensor_files(hf_dir)
+        video = _vision_hf_name("vision.video_embedder.weight", omni)
+        if self.cfg.video_temporal_patch and (omni or vision_hf) and \
+                video not in (files if omni else _tensor_files(vision_hf)):
+            # our export of a tower without one: transformers' config must still name a size (docs/vision.md §11)
+            self.cfg = dataclasses.replace(self.cfg, video_temporal_patch=0)
         self.where, self.fresh, self.handles, errors, skipped = {}, {}, {}, [], {}
         lm_root = OMNI_LM if omni else ""
         shapes = {"language." + k: v for k, v in checkpoint.lm_shapes(self.cfg).items()}

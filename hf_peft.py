@@ -27,6 +27,7 @@ PREFIX = "base_model.model."       # PeftModel's root, in every key PEFT saves
 RENAMES = [(r"(^|\.)backbone\.", r"\1model."), (r"radio_model\.model\.blocks\.", "encoder.layer."),
            (r"\.attn\.proj$", ".attention.o_proj"), (r"\.attn\.qkv$", ".attention.qkv"),
            (r"radio_model\.model\.patch_generator\.embedder$", "embeddings.patch_projection"),
+           (r"radio_model\.model\.patch_generator\.video_embedder$", "embeddings.video_patch_projection"),
            (r"^mlp1\.1$", "multi_modal_projector.linear_1"), (r"^mlp1\.3$", "multi_modal_projector.linear_2")]
 # PEFT wraps a module's targeted parameters in the order the module declares them, each wrapper around the last:
 # NemotronHExperts declares up_proj first, so its adapter sits one `base_layer.` deeper than down_proj's

@@ -28,6 +28,7 @@ import comm
 import lora
 import model
 import optim
+import video
 from radio import VisionModel
 
 GIB = 2 ** 30
@@ -137,9 +138,15 @@ def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
 
 
 def vision_tokens(cfg, lay):
-    """(tower tokens, projector tokens) of one micro-batch of one vision rank: mock images, one per sample."""
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank: mock images, one per sample, or, with
+    a video embedder when more, samples whose seq_len holds as many tubelets of a square video's canvas as fit."""
     samples, side = lay.vision_micro_batch, cfg.mock_image_size // cfg.vit_patch
-    return samples * (side * side + cfg.class_token_len), samples * side * side // 4
+    per = side * side + cfg.class_token_len, side * side // 4
+    if cfg.video_temporal_patch:
+        th, tw = video.canvas(1, 1, cfg.video_target_patches, cfg.vit_patch)
+        n = cfg.seq_len // (th * tw // 4)
+        per = max(per, (n * (th * tw + cfg.class_token_len), n * th * tw // 4))
+    return samples * per[0], samples * per[1]
 
 
 def tower_trains(stage, train_layers):

@@ -426,14 +426,15 @@ def ssd_flops_per_token(cfg):
     return 3 * cfg.mamba_num_heads * (c * (s + p) + 4 * s * p)
 
 
-def vision_flops(cfg, grids, tower_trains):
-    """FLOPs of one vision forward (+ backward where needed) over images with patch grids `grids`.
+def vision_flops(cfg, grids, tower_trains, frames=None):
+    """FLOPs of one vision forward (+ backward where needed) over images and video tubelets with patch grids
+    `grids` (frames: t per item, 1 for an image; a tubelet's embedder is t times wider).
     A frozen tower runs forward only (x1), the projector always trains (x3)."""
     C, M, K = cfg.vit_hidden, cfg.vit_mlp, cfg.class_token_len
     block_params = 4 * C * C + 2 * C * M
     tower = proj = 0
-    for h, w in grids:
+    for (h, w), t in zip(grids, frames or [1] * len(grids)):
         S = h * w + K
-        tower += 2 * S * (block_params * cfg.vit_depth + 3 * cfg.vit_patch ** 2 * C) + 4 * S * S * C * cfg.vit_depth
+        tower += 2 * S * (block_params * cfg.vit_depth + t * 3 * cfg.vit_patch ** 2 * C) + 4 * S * S * C * cfg.vit_depth
         proj += 2 * (h * w // 4) * (4 * C * cfg.projector_hidden + cfg.projector_hidden * cfg.hidden_size)
     return tower * (3 if tower_trains else 1) + 3 * proj

@@ -1,7 +1,8 @@
 """RADIO ViT vision tower, 2x2 pixel shuffle and projector (docs/vision.md).
 
-Flow for a microbatch of n images (docs/vision.md §5-7):
-  patches [T, 3p²] --Linear--> + per-image CPE --> [cls_0, img_0, cls_1, img_1, ...] (one packed sequence)
+Flow for a microbatch of n images and video tubelets (docs/vision.md §5-7, §11):
+  patches [T, 3p²] --Linear (a tubelet's t frame rows per patch: the video Linear on [N, t*3p²])--> + per-image CPE
+  --> [cls_0, img_0, cls_1, img_1, ...] (one packed sequence)
   --> pre-LN blocks with block-diagonal attention --> drop class tokens --> per-image 2x2 shuffle [T/4, 4C]
   --> RMSNorm -> Linear -> ReLU² -> Linear --> [T/4, D] in image order.
 Tensor parallel (Megatron style) splits attention heads and the MLP width over `tp_group`; everything else,
@@ -14,6 +15,7 @@ Shape suffixes (x_SC is [S, C]; a dim that tp splits is this rank's share of it)
   D language hidden size   A attention heads   d head dim (q_SAd: [S, A, d])   E attention width (A x d)
   M MLP width   R CPE table side   P CPE table positions (R*R)   m max(h, w)   h, w patch grid
   H, W image height, width in pixels   1, 2, 3 a batch of one, an (x, y) pair, RGB
+  t frames of one item (1: an image, video_temporal_patch: a video tubelet)   G t*3p² (a tubelet's patch vector)
 """
 import math
 
@@ -152,7 +154,7 @@ def rule(name, C):
     def draw(shape, gen):
         if name in ("pos_embed", "cls_token"):
             return torch.randn(shape, generator=gen) * C ** -0.5     # RADIO ViTPatchGenerator / ClsToken
-        if name == "embedder.weight":
+        if name in ("embedder.weight", "video_embedder.weight"):
             return torch.randn(shape, generator=gen)                 # N(0, 1), as Megatron for a fresh embedder
         if "norm" in name or name == "mlp1.0.weight":
             return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
@@ -183,6 +185,8 @@ class VisionModel(nn.Module):
         self.cfg, self.tp_group = cfg, tp_group
         C, K, R, p = cfg.vit_hidden, cfg.class_token_len, cfg.vit_cpe_grid, cfg.vit_patch
         self.embedder = _linear(3 * p * p, C, bias=False)         # Linear on flattened patches, not a conv
+        if cfg.video_temporal_patch:                                 # tubelets: t frames' patches in one vector
+            self.video_embedder = _linear(cfg.video_temporal_patch * 3 * p * p, C, bias=False)
         self.pos_embed = nn.Parameter(torch.empty(1, R * R, C))      # CPE table, row-major over R×R
         self.cls_token = nn.Parameter(torch.empty(K, C))             # cls + register tokens, no pos-enc
         self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.vit_depth))
@@ -209,15 +213,32 @@ class VisionModel(nn.Module):
             return cpe_random_crop(self.pos_embed, h, w, R)
         return cpe_eval(self.pos_embed, h, w, R)
 
-    def features(self, patches, grids):
-        """ViT output with class tokens removed: [T, C], image order, row-major within each image."""
+    def embed(self, patches, lens, frames):
+        """Patch rows -> [T, C] in item order: an image's rows through `embedder`, a tubelet's t rows per patch (its
+        frames' 3p² vectors, docs/vision.md §11) as one [N, t*3p²] vector each through `video_embedder`."""
+        if all(t == 1 for t in frames):
+            return self.embedder(patches.to(self.embedder.weight.dtype))
+        if not hasattr(self, "video_embedder"):
+            raise ValueError("video tubelets given to a tower without a video embedder (video_temporal_patch 0)")
+        items = patches.to(self.embedder.weight.dtype).split([n * t for n, t in zip(lens, frames)])
+        out = {}
+        for video, linear in ((False, self.embedder), (True, self.video_embedder)):
+            mine = [x.reshape(n, -1) for x, n, t in zip(items, lens, frames) if (t > 1) == video]
+            out[video] = iter(linear(torch.cat(mine)).split([x.shape[0] for x in mine]) if mine else ())
+        return torch.cat([next(out[t > 1]) for t in frames])
+
+    def features(self, patches, grids, frames=None):
+        """ViT output with class tokens removed: [T, C], item order, row-major within each image or tubelet.
+        frames[i]: 1 for an image, t for a tubelet (whose patch rows come t per patch); default all images."""
         grids = [(int(h), int(w)) for h, w in grids]
+        frames = frames or [1] * len(grids)
         if isinstance(patches, (list, tuple)):
             patches = torch.cat(list(patches))
         lens = [h * w for h, w in grids]
-        assert patches.shape[0] == sum(lens), f"{patches.shape[0]} patches for grids {grids}"
+        assert patches.shape[0] == sum(n * t for n, t in zip(lens, frames)), \
+            f"{patches.shape[0]} patch rows for grids {grids} of {frames} frames"
         K = self.cfg.class_token_len
-        x_TC = self.embedder(patches.to(self.embedder.weight.dtype))
+        x_TC = self.embed(patches, lens, frames)
         cache = {}                                                    # eval CPE is the same for equal grids
         pos = []
         for hw in grids:
@@ -236,13 +257,14 @@ class VisionModel(nn.Module):
         """HF mlp1: RMSNorm (fp32 inside) -> Linear -> squared ReLU -> Linear, no biases (docs/vision.md §7)."""
         return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_QX))))
 
-    def forward(self, patches, grids):
-        """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified: docs/vision.md §1);
-        grids: [(h_i, w_i)] with even h_i, w_i. Returns [Σ h_i*w_i/4, hidden_size] in image order."""
+    def forward(self, patches, grids, frames=None):
+        """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified: docs/vision.md §1; a tubelet
+        of t frames holds t rows per patch, frame by frame); grids: [(h_i, w_i)] with even h_i, w_i; frames: t_i per
+        item (default all 1: images). Returns [Σ h_i*w_i/4, hidden_size] in item order."""
         if len(grids) == 0:   # text-only microbatch (its parameters step on zero gradients: optim.AdamW.finish)
             return self.mlp1["3"].weight.new_zeros(0, self.cfg.hidden_size)
         grids = [(int(h), int(w)) for h, w in grids]
-        x_TC = self.features(patches, grids)
+        x_TC = self.features(patches, grids, frames)
         if hasattr(self, "final_layernorm"):
             x_TC = fused.layer_norm(x_TC, self.final_layernorm)
         x_QX = torch.cat([pixel_shuffle(c, h, w) for c, (h, w) in zip(x_TC.split([h * w for h, w in grids]), grids)])
@@ -256,6 +278,7 @@ def hf_name(key):
     if key.startswith("final_layernorm."):
         return "vision_projector.vision_final_layernorm." + key.split(".", 1)[1]
     special = {"embedder.weight": "patch_generator.embedder.weight", "pos_embed": "patch_generator.pos_embed",
+               "video_embedder.weight": "patch_generator.video_embedder.weight",
                "cls_token": "patch_generator.cls_token.token"}
     return "vision_model.radio_model.model." + special.get(key, key)
 

@@ -298,13 +298,13 @@ def microbatch(run, ds, first, train):
     loss_sum = torch.zeros((), device=device)
     if run.vision is not None:
         own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
-        patches, grids, rows = data.collate_images([ds[first + i] for i in own], cfg)
+        patches, grids, rows, frames = data.collate_images([ds[first + i] for i in own], cfg)
         with autocast:
-            out = run.vision(model.host_to_device(patches, device), grids)
+            out = run.vision(model.host_to_device(patches, device), grids, frames)
         if train and par.vision.tp_rank == 0 and par.vision.cp_rank == 0:  # MFU: the tower's FLOPs count once
             # (colocated cp ranks encode the same images), when it trains, not when frozen
             tower_trains = any(p.requires_grad for n, p in run.vision.named_parameters() if "mlp1" not in n)
-            run.flops += model.vision_flops(cfg, grids, tower_trains)
+            run.flops += model.vision_flops(cfg, grids, tower_trains, frames)
         run.bridge.send(out, rows)
         if train and run.bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
             run.bridge.backward_encoder()

@@ -89,7 +89,7 @@ def test_chat_line_exact(chat_file):
     assert img.shape == (3, 64, 64)
     red = radio.normalize(torch.tensor([255, 0, 0], dtype=torch.uint8)[:, None, None])
     assert torch.allclose(img, red.expand(3, 64, 64), atol=1e-4)
-    patches, grids, rows = data.collate_images([s], CFG)
+    patches, grids, rows, _ = data.collate_images([s], CFG)
     assert grids == [(4, 4)] and rows == [4] == [int((s.input_ids == IMG).sum())] and patches.shape == (16, 768)
 
 
@@ -121,7 +121,7 @@ def test_webp_and_palette_images_are_rgb(tmp_path):
         {"role": "assistant", "content": "two"}]}])
     s = build(path)[0][0]
     assert [im.shape[0] for im in s.images] == [3, 3]
-    _, grids, rows = data.collate_images([s], CFG)
+    _, grids, rows, _ = data.collate_images([s], CFG)
     assert all(h % 2 == 0 and w % 2 == 0 for h, w in grids)
     assert sum(rows) == int((s.input_ids == IMG).sum()) and (s.input_ids != PAD).sum() <= CFG.seq_len
 

@@ -129,23 +129,29 @@ def test_language_model_bf16_autocast_close_to_fp32():
 
 
 @cuda
-def test_vision_cuda_attention_path_matches_cpu_fp32():
-    """On CUDA the packed ViT attends per image (flash SDPA loop); on CPU with a block-diagonal mask."""
+@pytest.mark.parametrize("frames", [None, [2, 1, 2]])
+def test_vision_cuda_attention_path_matches_cpu_fp32(frames):
+    """On CUDA the packed ViT attends per image (flash SDPA loop); on CPU with a block-diagonal mask. frames: video
+    tubelets of 2 frames (the video embedder) beside an image, through the same attention."""
     from radio import VisionModel
-    cfg = config.resolve("small")          # vit-b: 12 heads of 64, as in training
+    cfg = config.resolve("small", {"video_temporal_patch": "2"})          # vit-b: 12 heads of 64, as in training
     torch.manual_seed(0)
     cpu = VisionModel(cfg)
     gpu = VisionModel(cfg).cuda()
     gpu.load_state_dict(cpu.state_dict())
     grids = [(8, 12), (16, 4), (6, 6)]
-    patches = torch.randn(sum(h * w for h, w in grids), 3 * cfg.vit_patch ** 2)
+    patches = torch.randn(sum(h * w * t for (h, w), t in zip(grids, frames or [1] * 3)), 3 * cfg.vit_patch ** 2)
     outs, grads = [], []
     for m, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        y = m(patches.to(dev), grids)
+        y = m(patches.to(dev), grids, frames)
         y.square().mean().backward()
         outs.append(y.detach().cpu())
         grads.append(m.blocks[0].attn.qkv.weight.grad.cpu())
-    assert rel_err(outs[1], outs[0]) < 1e-4 and rel_err(grads[1], grads[0]) < 1e-3
+        if frames:
+            grads.append(m.video_embedder.weight.grad.cpu())
+    assert rel_err(outs[1], outs[0]) < 1e-4 and rel_err(grads[-1 - bool(frames)], grads[0]) < 1e-3
+    if frames:
+        assert rel_err(grads[3], grads[1]) < 1e-3
 
 
 @cuda

@@ -102,8 +102,8 @@ def test_fine_tune_life(source, tmp_path, capfd):
     samples = [data.make_row([r], cfg, enc.sp["<pad>"], packed=False) for r in rows]
     assert evals[0]["eval_tokens"] == sum(int((s.labels != -100).sum()) for s in samples)
 
-    # export: every tensor transformers expects (the video embedder carried through), the source's split of RADIO's
-    # class tokens and registers, its processor files; the exported model's loss is the run's
+    # export: every tensor transformers expects (the video embedder among the trained ones), the source's split of
+    # RADIO's class tokens and registers, its processor files; the exported model's loss is the run's
     out = str(tmp_path / "export")
     export = _printed(said, "export: ")
     assert export[:4] == ["python", "hf_interop.py", "export-hf", "--load"]

@@ -102,7 +102,7 @@ def answer_loss(modules, cfg, seed=99, n=32):
     with torch.no_grad():
         for s in (ds[i] for i in range(n)):
             if s.images:
-                patches, grids, rows = data.collate_images([s], cfg)
+                patches, grids, rows, _ = data.collate_images([s], cfg)
                 ids, labels, _, _ = data.collate_text([s])
                 h = model.place_images(lm.embed(ids), ids, vision(patches, grids), rows, cfg.image_token_id)
                 logp = torch.log_softmax(lm.logits(lm(h, None, None))[0].float(), -1)

@@ -50,8 +50,8 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def build(par, vision, lm, cfg, device):
     """The run's optimizer, on every rank (one that trains nothing still joins finish()'s collectives). Its fp32
     main weights start from the weights as they are (init.py materialises them in their training dtype: on CUDA a
-    trained bf16 weight's main weights are its bf16 rounding, as Megatron's; a load then replaces them with the
-    source's). Modules built otherwise (bench.py, tests) are cast to weight_dtypes here."""
+    trained bf16 weight's main weights are its bf16 rounding, as Megatron's: docs/parallel.md §8; a load then
+    replaces them with the source's). Modules built otherwise (bench.py, tests) are cast to weight_dtypes here."""
     opt = AdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device, cfg.distributed_optimizer,
                 cfg.activation_checkpointing)
     dtypes = weight_dtypes(par, vision, lm, cfg, device)

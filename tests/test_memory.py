@@ -170,3 +170,19 @@ def test_refusal_names_the_figure_that_does_not_fit():
                                         f"{small / memory.GIB:.1f} GiB a rank has that it may use")
     assert memory.fits(rows, setup / 0.95) is None
     layout.plan(cfg, 4, setup / 0.95, cuda=False)   # room for both: passes
+
+
+def test_set_up_stays_under_the_training_peak_on_the_presets():
+    """init.py's set-up (the weights, one fp32 draw) is below the training peak in the presets' layouts on 80 GB: nano
+    on 8 ranks, nano LoRA with activation checkpointing on one rank (its largest parameter a layer's 128 experts of
+    1856 x 2688, up or down: a 2.38 GiB draw; the fp32 init planned 126.2 GiB and refused it), super LoRA on 8."""
+    cases = ((["--preset", "nano"], 8), (["--preset", "nano", "--lora-rank", "8", "--activation-checkpointing"], 1),
+             (["--preset", "super", "--lora-rank", "8", "--global-batch", "64"], 8))
+    for argv, world in cases:
+        cfg = train.config_of(argv)
+        lay = layout.plan(cfg, world, 80 * memory.GIB)
+        rows = memory.plan(cfg, lay)
+        assert all(r["setup"] < r["peak"] for r in rows.values()), (argv, rows)
+        if world == 1:
+            assert rows["language"]["setup"] == rows["language"]["weights"] + 4 * 128 * 1856 * 2688
+            assert round(rows["language"]["setup"] / memory.GIB, 2) == 63.52

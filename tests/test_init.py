@@ -1,14 +1,20 @@
 """init.py: modules built on the meta device and materialised one parameter at a time hold exactly the fp32 init
 on the CPU (every parameter drawn whole by name, this rank's slice kept) in every layout, LoRA adapters and the
-routers' expert biases included; a load draws nothing it then overwrites."""
+routers' expert biases included; a load draws nothing it then overwrites; the dtypes it gives on CUDA hold the
+bytes memory.py plans (the CUDA set-up peak itself: tests/test_gpu.py::test_set_up_peak_is_bf16_weights_plus_one_draw)."""
 import hashlib
+import types
 
 import pytest
 import torch
 
 import comm
+import layout
 import lora
+import memory
 import model
+import optim
+import parallel
 import train
 from radio import VisionModel
 from tests.spawn import run_distributed
@@ -96,3 +102,30 @@ def test_a_load_draws_only_what_it_lacks(tmp_path):
     assert drawn and all(".lora_" in n for n in drawn), drawn
     fresh = run_distributed(_draws_of, 1, ["--preset", "tiny", *ADAPTERS])[0]
     assert sorted(drawn) == sorted(n for n in fresh if ".lora_" in n)
+
+
+def test_digest_has_teeth():
+    """The pinned digests see one bit of one tensor, and a seed."""
+    ref = reference(CASES["tiny"])
+    ref["language.lm_head.weight"] = ref["language.lm_head.weight"].clone()
+    ref["language.lm_head.weight"].view(torch.int32)[0, 0] ^= 1
+    assert digest(ref) != PINNED["tiny"]
+    assert digest(reference(CASES["tiny"] + ["--seed", "1235"])) != PINNED["tiny"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--activation-checkpointing"], ["--lora-rank", "4"], ["--stage", "3"],
+                                   ["--no-distributed-optimizer"]])
+def test_cuda_dtypes_are_the_plans(extra):
+    """The dtypes init.py allocates on CUDA (optim.weight_dtypes) hold the bytes memory.py plans for the weights of
+    one colocated rank: bf16, except trained weights optim keeps fp32 (experts at edp 1 under activation
+    checkpointing; everything with the plain optimizer)."""
+    cfg = train.config_of(["--preset", "tiny", *extra])
+    modules = memory.sizing_model(cfg)
+    one_rank = types.SimpleNamespace(vision=parallel.ModuleGroups("vision"), lm=parallel.ModuleGroups("lm"))
+    dtypes = optim.weight_dtypes(one_rank, modules["vision"], modules["language"], cfg, torch.device("cuda"))
+    size = {torch.bfloat16: 2, torch.float32: 4}
+    allocated = sum(p.numel() * size[dtypes[id(p)]] for m in modules.values() for p in m.parameters())
+    assert allocated == memory.plan(cfg, layout.plan(cfg, 1))["language"]["weights"]
+    fp32 = {dtypes[id(p)] == torch.float32 for m in modules.values() for p in m.parameters()}
+    assert fp32 == ({True} if extra == ["--no-distributed-optimizer"] else
+                    {True, False} if extra == ["--activation-checkpointing"] else {False})

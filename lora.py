@@ -12,8 +12,8 @@ Sharding follows the frozen weight, so any tp / ep layout computes the one-devic
                                       B is replicated, its gradient partial per tp rank
   experts:                            every adapter sharded over ep with its expert (etp must be 1)
   LatentMoE's projections:            replicated, run on a token slice per tp rank: A and B both tp_partial
-B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed + SEED, full name; rule()):
-layout-independent, drawn where the model is (init.py). The
+B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape on the CPU from (seed + SEED, full name) by
+init.py (rule()): layout-independent. The
 base stays exactly as loaded, the routers' expert biases too (train.py does not update them under LoRA), so the
 adapters alone (hf_peft.py) reproduce the run on the released weights.
 merge() folds adapters into full weights (export-hf); checkpoints hold adapters like any parameter.

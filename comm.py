@@ -208,8 +208,22 @@ def draw(name, seed, shape, rule, device="cpu"):
 
 
 def init_shard(t, name, seed, rule, ranks, sizes, device=None):
-    """t <- this rank's slice (t.shards; ranks / sizes by kind) of draw(name, ...) at t's full shape."""
+    """t <- this rank's slice (t.shards; ranks / sizes by kind) of draw(name, ...) at t's full shape, cast to t's
+    dtype. Copied from views of the draw (copy_shard), so the draw is the one tensor beside t while this runs."""
     shards = getattr(t, "shards", ())
     full = draw(name, seed, full_shape(t.shape, shards, sizes), rule, device or t.device)
     with torch.no_grad():
-        t.copy_(take_shard(full, shards, ranks, sizes))
+        copy_shard(t, full, shards, ranks, sizes)
+
+
+def copy_shard(t, full, shards, ranks, sizes):
+    """t <- take_shard(full, shards, ranks, sizes), block by block from views of `full`, not through a copy of the
+    slice (every shard after the first cuts another dim, as the model's experts' ep x etp)."""
+    if not shards:
+        t.copy_(full)
+        return
+    (kind, dim, segments), at = shards[0], 0
+    for block in torch.split(full, segments or [full.shape[dim]], dim):
+        part = block.chunk(sizes.get(kind, 1), dim)[ranks.get(kind, 0)]
+        copy_shard(t.narrow(dim, at, part.shape[dim]), part, shards[1:], ranks, sizes)
+        at += part.shape[dim]

@@ -370,10 +370,10 @@ class HFSource:
             errors += self._map(files if omni else _tensor_files(vision_hf), tower,
                                 lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
-        for k in set(shapes) - set(self.where):   # drawn as a fresh model draws them (comm.draw): the LLaVA-style
-            name = k.split(".", 1)[1]             # alignment start's projector (--stage 1 trains it), MTP blocks
-            self.fresh[k] = comm.draw(name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden)) \
-                if k.startswith("vision.") else comm.draw(name, seed + model.SEED, shapes[k], model.rule(name, self.cfg))
+        for k in set(shapes) - set(self.where):   # drawn when read, as a fresh model draws them (comm.draw): the
+            name = k.split(".", 1)[1]             # LLaVA-style start's projector (--stage 1 trains it), MTP blocks
+            self.fresh[k] = (name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden)) \
+                if k.startswith("vision.") else (name, seed + model.SEED, shapes[k], model.rule(name, self.cfg))
         if no_mtp:
             say(f"{hf_dir}: no MTP weights (its config announces {self.cfg.num_nextn_predict_layers} block(s)): the "
                 "MTP blocks start from their initial values")
@@ -417,8 +417,8 @@ class HFSource:
     def read(self, name, suffix="", kind="model", shards=(), coords=None, sizes=None):
         """Full tensor `name` in our layout (experts stacked), or this rank's slice like checkpoint.Reader.read."""
         shards, coords, sizes = [tuple(s) for s in shards], coords or {}, sizes or {}
-        if name in self.fresh:
-            return comm.take_shard(self.fresh[name], shards, coords, sizes)
+        if name in self.fresh:   # one at a time, not all of them held through the load
+            return comm.take_shard(comm.draw(*self.fresh[name]), shards, coords, sizes)
         per_expert, where = self.where[name]
         if not per_expert:
             return comm.take_shard(self._get(*where[0]), shards, coords, sizes)

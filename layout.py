@@ -182,10 +182,9 @@ def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=Tru
     lay = named(cfg, world, given)
     shortfall = capacity is not None and strict and memory.fits(memory.plan(cfg, lay, cuda), capacity)
     if shortfall:
-        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {shortfall}, a rank here has "
-                         f"{capacity / memory.GIB:.1f} GiB. Use more ranks (--lm-tp / --lm-ep / --vision-tp), "
-                         "--activation-checkpointing, a smaller preset (tiny, small), or see `--dry-run --world-size "
-                         "N` for the per-rank plan.")
+        raise SystemExit(f"this layout does not fit: {lay.describe()} needs {shortfall}. Use more ranks (--lm-tp / "
+                         "--lm-ep / --vision-tp), --activation-checkpointing, a smaller preset (tiny, small), or see "
+                         "`--dry-run --world-size N` for the per-rank plan.")
     return lay
 
 

@@ -12,7 +12,8 @@ Sharding follows the frozen weight, so any tp / ep layout computes the one-devic
                                       B is replicated, its gradient partial per tp rank
   experts:                            every adapter sharded over ep with its expert (etp must be 1)
   LatentMoE's projections:            replicated, run on a token slice per tp rank: A and B both tp_partial
-B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape from (seed, name): layout-independent. The
+B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape on the CPU from (seed + SEED, full name) by
+init.py (rule()): layout-independent. The
 base stays exactly as loaded, the routers' expert biases too (train.py does not update them under LoRA), so the
 adapters alone (hf_peft.py) reproduce the run on the released weights.
 merge() folds adapters into full weights (export-hf); checkpoints hold adapters like any parameter.
@@ -27,13 +28,15 @@ import torch.nn.functional as F
 import comm
 import moe
 
+SEED = 40000   # offset of the adapters' init seed from --seed
 TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|fc1_latent_proj|fc2_latent_proj)$"
 
 
-def apply(modules, cfg, par=None, seed=0):
+def apply(modules, cfg, par=None):
     """Add cfg.lora_rank adapters (cfg.lora_alpha, cfg.lora_targets) to the matching layers of {"vision" |
-    "language": module}, freeze everything else. With `par` (parallel.setup's) the A matrices are drawn; without,
-    the modules are sizing copies (memory.py, meta device)."""
+    "language": module}, freeze everything else. The adapters are allocated, not drawn: a run builds its modules
+    on the meta device and draws every parameter after (init.py). `par` (parallel.setup's): the run's layout,
+    checked."""
     if (par is not None and par.lm is not None and par.lm.etp_size > 1) or cfg.moe_dispatcher != "alltoall":
         raise SystemExit("error: LoRA on routed experts needs --lm-etp 1 and the alltoall dispatcher. Drop "
                          "--lm-etp / --moe-dispatcher deepep.")
@@ -52,19 +55,11 @@ def apply(modules, cfg, par=None, seed=0):
                     setattr(sub, f"lora_{proj}_A", comm.mark_shard(a, ("ep", 0, None)))
                     setattr(sub, f"lora_{proj}_B", comm.mark_shard(b, ("ep", 0, None)))
                 sub.lora_scale = scale
-        if par is None:
-            continue
-        groups = par.vision if key == "vision" else par.lm
-        kinds = ("tp",) if key == "vision" else ("tp", "ep", "etp")
-        ranks = {k: getattr(groups, f"{k}_rank") for k in kinds}
-        sizes = {k: getattr(groups, f"{k}_size") for k in kinds}
-        device = next(module.parameters()).device
-        for name, p in module.named_parameters():
-            if "lora_" not in name:
-                continue
-            p.data = p.data.to(device)
-            if name.endswith("_A"):   # fan_in: the last dim at full size
-                comm.init_shard(p, f"{key}.{name}", seed, _uniform_fan_in, ranks, sizes, "cpu")
+
+
+def rule(name):
+    """How adapter `name` is drawn, as comm.draw takes it: A uniform(+-1 / sqrt(fan_in)), B zeros."""
+    return _uniform_fan_in if name.endswith("_A") else lambda shape, gen: torch.zeros(shape)
 
 
 def _uniform_fan_in(shape, gen):

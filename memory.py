@@ -16,8 +16,11 @@ only each layer's input plus one layer's worth during its recompute. MoE assumes
 a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
 Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers are
 persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
-Set-up, apart (over before the first step): every local weight in fp32 before the bf16 cast, plus init's two
-full-size fp32 draws of the largest language parameter. Checked on the GPU by bench/memory_check.py.
+Set-up, apart (over before the first step): init.py materialises each weight in the dtype it trains in and draws
+one full-size fp32 tensor at a time, so the weights plus one full draw of the largest language parameter (drawn on
+the device; the tower and the adapters are drawn on the CPU). optim.build's gradient buffers and main weights
+come after the draw is freed, and are part of the training peak. Checked on the GPU by bench/memory_check.py and
+tests/test_gpu.py.
 """
 import json
 import os
@@ -84,19 +87,18 @@ def local_parameters(cfg, lay):
 
 def parameter_bytes(cfg, lay, cuda=True):
     """{"vision" | "language": {"weights", "gradients", "optimizer", "casts", "setup"}} bytes of one rank of that
-    module. setup: the set-up peak, before optim.build casts to bf16: every local weight in fp32, and for the
-    language model the two full-size fp32 tensors model.init_weights holds while it draws its largest parameter
-    (randn, then scaled; on the device: the tower is drawn on the CPU)."""
+    module. setup: the set-up peak (init.py): the weights, and for the language model the one full-size fp32 tensor
+    of its largest parameter's draw (on the device; the tower is drawn on the CPU)."""
     distributed = cfg.distributed_optimizer
     out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0, "setup": 0.0}
            for kind in ("vision", "language")}
-    out["language"]["setup"] = 8 * parameter_counts(cfg)[1]   # the sizing model's are full size
+    out["language"]["setup"] = 4 * parameter_counts(cfg)[1]   # the sizing model's are full size
     for kind, expert, trained, n, d in local_parameters(cfg, lay):
         b = out[kind]
         fp32 = trained and optim.fp32_weights(distributed, d, expert, cuda, cfg.activation_checkpointing)
         bf16 = distributed and cuda and not fp32
         b["weights"] += n * (2 if bf16 else 4)
-        b["setup"] += n * 4
+        b["setup"] += n * (2 if bf16 else 4)
         if trained:
             b["gradients"] += n * 4
             b["optimizer"] += n * (8 if fp32 else 12 / d)
@@ -194,22 +196,21 @@ def capacity(device):
 def required(rows):
     """The memory per rank a plan (plan()'s rows, or some of them) needs: its training peak may use 92 % of a rank's
     memory (the plan runs 1-2 % above measured peaks, bench/memory_check.py: about 90 % is really used, the rest is
-    the allocator's), its set-up peak 95 % (a few large allocations, little fragmentation; the Nano-shaped LoRA run
-    set up at 127.88 GiB on one H200, which a 90 % bar would have refused). An "80 GB" H100 has 79.2 GiB: nano on 8
-    of them plans 71.3 GiB, 90.0 % of it."""
+    the allocator's), its set-up peak 95 % (a few large allocations, little fragmentation). An "80 GB" H100 has
+    79.2 GiB: nano on 8 of them plans 71.3 GiB, 90.0 % of it."""
     return max(max(r["peak"] / TRAIN_SHARE, r["setup"] / SETUP_SHARE) for r in rows.values())
 
 
 def fits(rows, capacity):
-    """None when a plan fits `capacity` bytes per rank (required()), else the figure that does not, in words."""
-    if required(rows) <= capacity:
-        return None
-    peak = max(r["peak"] for r in rows.values())
-    if peak > TRAIN_SHARE * capacity:
-        return f"{peak / GIB:.1f} GiB per rank (weights, gradients, optimizer state, activations)"
-    setup = max(r["setup"] for r in rows.values())
-    return (f"{setup / GIB:.1f} GiB per rank while it sets up (every weight is initialised in fp32 before the bf16 "
-            "cast)")
+    """None when a plan fits `capacity` bytes per rank (required()), else the figure that does not, in words: which
+    peak, its value, and the share of the rank's memory it may use."""
+    for key, share, what in (("peak", TRAIN_SHARE, "training peak (weights, gradients, optimizer state, activations)"),
+                             ("setup", SETUP_SHARE, "set-up peak (the weights and one full-size fp32 draw)")):
+        need = max(r[key] for r in rows.values())
+        if need > share * capacity:
+            return (f"{need / GIB:.1f} GiB per rank at its {what}, over the {100 * share:.0f} % of the "
+                    f"{capacity / GIB:.1f} GiB a rank has that it may use")
+    return None
 
 
 def dry_run(cfg, lay, capacity):
@@ -224,7 +225,7 @@ def dry_run(cfg, lay, capacity):
     opt = "distributed optimizer, bf16 weights" if cfg.distributed_optimizer else "plain AdamW, fp32 weights"
     print(f"memory plan per rank on CUDA ({opt}; micro-batch {cfg.micro_batch} x seq_len {cfg.seq_len}, "
           f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; setup: the set-up peak, "
-          f"fp32 weights before the bf16 cast, over before the first step), GiB:")
+          f"the weights and one full-size fp32 draw, over before the first step), GiB:")
     for kind, r in rows.items():
         print(f"  {kind:8s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}

@@ -367,11 +367,11 @@ def rule(name, cfg):
 def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
     device = gen.device
 
-    def uniform(lo, hi):
-        return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
+    def uniform(lo, hi):   # in place: one full-size tensor at a time (memory.py's set-up peak), the same values
+        return torch.rand(shape, generator=gen, device=device).mul_(hi - lo).add_(lo)
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "A_log":                                   # A ~ U[1, 16]
-        return torch.log(uniform(1.0, 16.0))
+        return uniform(1.0, 16.0).log_()
     if leaf == "dt_bias":                                 # dt log-uniform in [1e-3, 1e-1], bias = softplus^-1(dt)
         dt = torch.exp(uniform(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         return dt + torch.log(-torch.expm1(-dt))
@@ -382,8 +382,8 @@ def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
     if leaf == "D" or "norm" in name:
         return torch.ones(shape, device=device)
     if any(k in name for k in ("out_proj", "o_proj", "down_proj")):  # output layers: std / sqrt(layers)
-        return torch.randn(shape, generator=gen, device=device) * out_std
-    return torch.randn(shape, generator=gen, device=device) * std
+        return torch.randn(shape, generator=gen, device=device).mul_(out_std)
+    return torch.randn(shape, generator=gen, device=device).mul_(std)
 
 
 # ---------------------------------------------------------------- parameter counts

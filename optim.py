@@ -48,22 +48,40 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def build(par, vision, lm, cfg, device):
-    """The run's optimizer, on every rank (one that trains nothing still joins finish()'s collectives). Sharded on
-    CUDA, every weight that is not a view of its main weights becomes bf16 (frozen ones have no fp32 copy at all)."""
+    """The run's optimizer, on every rank (one that trains nothing still joins finish()'s collectives). Its fp32
+    main weights start from the weights as they are (init.py materialises them in their training dtype: on CUDA a
+    trained bf16 weight's main weights are its bf16 rounding, as Megatron's: docs/parallel.md §8; a load then
+    replaces them with the source's). Modules built otherwise (bench.py, tests) are cast to weight_dtypes here."""
     opt = AdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device, cfg.distributed_optimizer,
                 cfg.activation_checkpointing)
-    if device.type == "cuda" and cfg.distributed_optimizer:   # the fp32 main weights came from the fp32 init
-        aliased = {id(p) for b in opt.buckets if b.alias for p in b.params}
-        for m in (m for m in (vision, lm) if m is not None):
-            for p in m.parameters():
-                if id(p) not in aliased:
-                    p.data = p.data.to(torch.bfloat16)
+    dtypes = weight_dtypes(par, vision, lm, cfg, device)
+    for m in (m for m in (vision, lm) if m is not None):
+        for p in m.parameters():
+            p.data = p.data.to(dtypes[id(p)])   # a no-op for init.py's weights and the aliased fp32 views
     return opt
 
 
 def fp32_weights(sharded, domain_size, expert, cuda, checkpointing):
     """Whether trained weights stay fp32 as views of their main weights (see the module docstring)."""
     return not sharded or (domain_size == 1 and (not cuda or (expert and checkpointing)))
+
+
+def _fp32_domain(group, params, sharded, cuda, checkpointing):
+    return bool(params) and fp32_weights(sharded, comm.group_size(group), comm.is_expert(params[0]), cuda,
+                                         checkpointing)
+
+
+def weight_dtypes(par, vision, lm, cfg, device):
+    """{id(param): the dtype it trains in} of the modules' parameters (the module docstring's policy): bf16 on
+    CUDA under the distributed optimizer, frozen ones included, except the trained weights that stay fp32 as views
+    of their main weights; fp32 otherwise."""
+    cuda, sharded = device.type == "cuda", cfg.distributed_optimizer
+    low = torch.bfloat16 if cuda and sharded else torch.float32
+    out = {id(p): low for m in (vision, lm) if m is not None for p in m.parameters()}
+    for group, _, params in domains(par, vision, lm):
+        if _fp32_domain(group, params, sharded, cuda, cfg.activation_checkpointing):
+            out.update((id(p), torch.float32) for p in params)
+    return out
 
 
 def domains(par, vision, lm):
@@ -149,8 +167,7 @@ class AdamW:
         self.lr, self.weight_decay, self.fused, self.sharded = lr, weight_decay, device.type == "cuda", sharded
         self.buckets, self.partial = [], []
         for group, groups, params in domain_list:
-            fp32 = bool(params) and fp32_weights(sharded, comm.group_size(group), comm.is_expert(params[0]),
-                                                 device.type == "cuda", checkpointing)
+            fp32 = _fp32_domain(group, params, sharded, device.type == "cuda", checkpointing)
             for decay in (True, False):
                 bucket, size = [], 0
                 for p in (p for p in params if (p.ndim >= 2) == decay):

@@ -40,9 +40,9 @@ import config
 import cp
 import data
 import failsafe
+import init
 import layout
 import logs
-import lora
 import memory
 import mock
 import model
@@ -237,24 +237,20 @@ def setup(cfg, inv, lay, start, device):
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
-    m = par.lm
-    run = Run(cfg, start, lay, par, device, m is not None and m.tp_rank == m.cp_rank == m.dp_rank == 0, own_group)
+    lead = par.lm is not None and par.lm.tp_rank == par.lm.cp_rank == par.lm.dp_rank == 0   # prints the loss
+    run = Run(cfg, start, lay, par, device, lead, own_group)
+    source = start.load   # a step directory, or hf_interop.HFSource: whatever it holds is loaded, not drawn
+    if source is not None and not hasattr(source, "read"):
+        source = comm.on_every_rank(resume.call, checkpoint.Reader, source)
+    modules = init.build(cfg, par, device, set(source.tensors) if source is not None else frozenset())
+    run.vision, run.lm = modules.get("vision"), modules.get("language")
     if par.in_vision:
-        run.vision = VisionModel(cfg, par.vision.tp).to(device)  # drawn on the CPU: the same weights on any device
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
     if par.in_lm:
-        with torch.device(device):
-            run.lm = model.LanguageModel(cfg, {"tp": par.lm.tp, "cp": par.lm.cp, "ep": par.lm.ep,
-                                               "etp": par.lm.etp}, cfg.moe_dispatcher)
-        coords = {k: (getattr(par.lm, f"{k}_rank"), getattr(par.lm, f"{k}_size")) for k in ("tp", "ep", "etp")}
-        model.init_weights(run.lm, cfg.seed + model.SEED, coords, cfg)
         run.lm.checkpoint_layers = cfg.activation_checkpointing
         for m in run.lm.modules():
             if isinstance(m, moe.Router):
                 m.force_balance = cfg.moe_force_balance
-    model.set_trainable(run.modules, cfg.stage, cfg.train_layers)
-    if cfg.lora_rank:  # adapters only: everything else frozen
-        lora.apply(run.modules, cfg, par, cfg.seed + 40000)
     run.opt = optim.build(par, run.vision, run.lm, cfg, device)
 
     run.tokenizer = data.load_tokenizer(start.tokenizer, cfg)
@@ -274,7 +270,7 @@ def setup(cfg, inv, lay, start, device):
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
         run.counters = comm.on_every_rank(  # one rank's error (its rank json) ends every rank
-            resume.call, checkpoint.load, start.load, par, run.modules, run.opt, cfg, run.train_loader,
+            resume.call, checkpoint.load, source, par, run.modules, run.opt, cfg, run.train_loader,
             finetune=start.weights_only, load_optim=not (inv.no_load_optim or inv.eval_only),
             load_rng=not inv.no_load_rng)
     return run
@@ -476,7 +472,7 @@ def train(run):
         if run.eval_set is not None:
             summaries.append(logs.data_summary("eval", run.eval_set.ds) + f" (scores {run.eval_set.n} samples)")
         log.start(cfg, summaries, logs.param_counts(cfg))
-    if run.device.type == "cuda":   # step lines report the training peak; set-up's (fp32 init before the cast) apart
+    if run.device.type == "cuda":   # step lines report the training peak; set-up's (init.py, optim.build) apart
         log.say(f"set-up peak memory {logs.peak_memory_gib(run.device):.2f} GiB")
         torch.cuda.reset_peak_memory_stats(run.device)
     stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary

@@ -302,6 +302,41 @@ def test_bf16_weights_and_cuda_resume_bit_exact(tmp_path):
     assert all(abs(a - b) < 1e-3 * b for a, b in zip(first + resumed, straight)), (first, resumed, straight)
 
 
+@cuda
+def test_set_up_peak_is_bf16_weights_plus_one_draw():
+    """train.py's set-up on one GPU (init.py: built on the meta device, each weight materialised in bf16 and drawn
+    one at a time) peaks at the weights plus one full-size fp32 draw of the largest parameter, here the 131072 x
+    256 embedding (128 MiB); the LoRA base is frozen, so all of it is bf16. The fp32 init it replaces peaked at
+    twice the weights plus two draws. Also the plan's set-up column (memory.py) against the measured peak."""
+    import train
+    import layout
+    import memory
+    argv = SMALL + ["--vocab-size", "131072", "--lora-rank", "8"]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    peaks, real = [], train.train
+
+    def after_setup(run):
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        return []
+    train.train = after_setup
+    try:
+        _, modules = train.main(argv + ["--steps", "0"])
+    finally:
+        train.train = real
+    tensors = [t for m in modules.values() for t in [*m.parameters(), *m.buffers()]]
+    assert all(t.dtype == torch.bfloat16 for m in modules.values() for t in m.parameters())
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    draw = 4 * 131072 * 256
+    cfg = train.config_of(argv)
+    planned = memory.plan(cfg, layout.plan(cfg, 1))["language"]["setup"]
+    print(f"set-up peak {peaks[0] / 2**20:.1f} MiB: weights {weights / 2**20:.1f} + draw {draw / 2**20:.1f} MiB; "
+          f"planned {planned / 2**20:.1f} MiB")
+    assert abs(peaks[0] - (weights + draw)) < 0.03 * (weights + draw), (peaks[0], weights, draw)   # the allocator's
+    assert abs(planned - peaks[0]) < 0.03 * peaks[0], (planned, peaks[0])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_distributed_optimizer_two_gpus_tracks_plain(tmp_path):
     """dp 2: bf16 weights stepped from fp32 shards track plain fp32 AdamW (bf16 rounding of the weights only)."""

@@ -321,22 +321,22 @@ def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
 def _train_with_inf_on_vision_rank_1(rank, world, argv):
     """A hook on vision rank 1's projector weight turns its gradient into inf in step 2 (its 3rd and 4th backward:
     two micro-batches a step). Every rank of both grids must skip that step, and nobody hangs."""
-    real = model.set_trainable
+    real = optim.build
     seen = []
 
-    def set_trainable(modules, *args, **kwargs):
-        real(modules, *args, **kwargs)
-        if rank == 1 and "vision" in modules and "language" not in modules:
+    def build(par, vision, lm, *args, **kwargs):   # the weights as materialised (init.py), before any step
+        if rank == 1 and vision is not None and lm is None:
             def hook(g):
                 seen.append(1)
                 return torch.full_like(g, float("inf")) if len(seen) in (3, 4) else g
-            modules["vision"].mlp1["3"].weight.register_hook(hook)
+            vision.mlp1["3"].weight.register_hook(hook)
+        return real(par, vision, lm, *args, **kwargs)
 
-    model.set_trainable = set_trainable
+    optim.build = build
     try:
         history, _ = train.main(list(argv))
     finally:
-        model.set_trainable = real
+        optim.build = real
     return history, len(seen)
 
 

@@ -1,0 +1,61 @@
+"""The modules a rank starts from, built without an fp32 copy of the model (memory.py's set-up column).
+
+build(): every module of the rank is made on the meta device (no memory), its trainable parameters chosen there
+(--stage / --train-layers, --lora-rank's adapters), then each parameter in turn is allocated on the run's device in
+the dtype it trains in (optim.weight_dtypes: bf16 on CUDA under the distributed optimizer, except the trained
+weights optim keeps in fp32; fp32 on the CPU) and drawn: its full tensor from a generator seeded by (seed, name)
+(comm.draw), this rank's slice copied from views of it and cast on the way (comm.init_shard), the draw freed
+before the next. So the initial values are those of any layout and of the fp32 init, and the device holds the
+weights plus one full-size fp32 draw at a time. Where each is drawn, as before: the language model on the device
+(model.rule), the tower and the LoRA adapters on the CPU (radio.rule, lora.rule). Buffers (the routers' fp32
+expert bias and token counts) are zeros, in their own dtype. Tensors a load fills (`skip`: checkpoint.load writes
+every tensor its source holds) are allocated and not drawn.
+"""
+import torch
+import torch.nn as nn
+
+import comm
+import lora
+import model
+import optim
+from radio import SEED as VISION_SEED, VisionModel, rule as vision_rule
+
+
+def build(cfg, par, device, skip=frozenset()):
+    """{"vision" | "language": module} of the modules this rank of `par` holds, materialised on `device` (the
+    module docstring); `skip`: full names ("language.lm_head.weight") left to a load."""
+    with torch.device("meta"):
+        modules = {}
+        if par.in_vision:
+            modules["vision"] = VisionModel(cfg, par.vision.tp)
+        if par.in_lm:
+            modules["language"] = model.LanguageModel(cfg, {"tp": par.lm.tp, "cp": par.lm.cp, "ep": par.lm.ep,
+                                                            "etp": par.lm.etp}, cfg.moe_dispatcher)
+        model.set_trainable(modules, cfg.stage, cfg.train_layers)
+        if cfg.lora_rank:   # adapters only: everything else frozen
+            lora.apply(modules, cfg, par)
+    dtypes = optim.weight_dtypes(par, modules.get("vision"), modules.get("language"), cfg, device)
+    for key, module in modules.items():
+        groups = par.vision if key == "vision" else par.lm
+        kinds = ("tp",) if key == "vision" else ("tp", "ep", "etp")
+        ranks = {k: getattr(groups, f"{k}_rank") for k in kinds}
+        sizes = {k: getattr(groups, f"{k}_size") for k in kinds}
+        for name, p in module.named_parameters():
+            real = nn.Parameter(torch.empty(p.shape, dtype=dtypes[id(p)], device=device), p.requires_grad)
+            real.__dict__.update(p.__dict__)   # shards, tp_partial
+            torch.utils.swap_tensors(p, real)  # the same Python object: every reference to it stays valid
+            if f"{key}.{name}" not in skip:
+                drawn, seed, rule, where = _how(cfg, key, name, device)
+                comm.init_shard(p, drawn, seed, rule, ranks, sizes, where)
+        for b in module.buffers():
+            torch.utils.swap_tensors(b, torch.zeros(b.shape, dtype=b.dtype, device=device))
+    return modules
+
+
+def _how(cfg, key, name, device):
+    """(name drawn, seed, rule, device drawn on) of parameter `name` of module `key`."""
+    if "lora_" in name:
+        return f"{key}.{name}", cfg.seed + lora.SEED, lora.rule(name), "cpu"
+    if key == "vision":
+        return name, cfg.seed + VISION_SEED, vision_rule(name, cfg.vit_hidden), "cpu"
+    return name, cfg.seed + model.SEED, model.rule(name, cfg), device

@@ -1,6 +1,6 @@
 """Context parallelism (cp.py, docs/cp.md) on gloo: the zigzag split by hand; the language model at cp 2 / 4 (with tp 2)
 == one device, losses and gradients, packed documents and padding; a training step on real packed data whose images
-straddle the shards' boundaries == one process, hetero and colocated, with tp 2, ep 2, LoRA and activation
+straddle the shards' boundaries == one process, hetero and colocated, with tp 2, ep 2, etp 2, LoRA and activation
 checkpointing; resume from cp 2 into cp 1 and cp 4.
 """
 import contextlib
@@ -163,6 +163,7 @@ LAYOUTS = {  # name: (world, grid flags)
     "colocated cp4": (4, ["--colocated", "--lm-cp", "4"]),
     "colocated cp2 tp2": (4, ["--colocated", "--lm-cp", "2", "--lm-tp", "2"]),
     "colocated cp2 dp2 ep2": (4, ["--colocated", "--lm-cp", "2", "--lm-ep", "2"]),
+    "colocated cp2 dp2 ep2 etp2": (4, ["--colocated", "--lm-cp", "2", "--lm-ep", "2", "--lm-etp", "2"]),
 }
 
 

@@ -10,8 +10,9 @@ The choice (plan() given a rank's memory, no grid flag given): the preset's refe
 moves the fewest bytes per rank per step, smaller tp, cp, ep, etp on a tie; layouts with context parallelism only
 when none without it fits. Fitting comes first because a layout that does not fit does not run; among those that
 do, communication is what the layout changes (the FLOPs per rank are the same, except that the cp ranks of a
-colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks
-sends 2 (g-1)/g B, an all-gather, reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens,
+colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts
+what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks sends 2 (g-1)/g B, an all-gather,
+reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens,
 S the tower's tokens of a micro-batch (memory.py's counts) and a layer pass = forward, backward, and under
 --activation-checkpointing the recomputed forward:
   language tp   per micro-batch and layer pass an all-reduce of the T x D bf16 activation (an MoE layer: its
@@ -124,9 +125,12 @@ def check_layout(lay, cfg):
                       f"each row into 2 x cp equal chunks (--seq-len {cfg.seq_len // (2 * cp) * 2 * cp or 2 * cp} "
                       "would do)")
     tp_cp = lay.lm_tp * cp   # Mamba scans whole rows of 1 / (tp x cp) of its heads and groups (mamba.py)
-    for name in ("mamba_num_heads", "n_groups") if cp > 1 and "M" in cfg.hybrid_override_pattern else ():
-        if getattr(cfg, name) % tp_cp:
-            errors.append(f"lm_tp x lm_cp = {tp_cp} does not divide {name} {getattr(cfg, name)}")
+    split = ("mamba_num_heads", "n_groups") if cp > 1 and "M" in cfg.hybrid_override_pattern else ()
+    bad = [f"{name} {getattr(cfg, name)}" for name in split if getattr(cfg, name) % tp_cp]
+    if bad:
+        fits = max((c for c in range(1, cp) if all(getattr(cfg, n) % (lay.lm_tp * c) == 0 for n in split)), default=1)
+        errors.append(f"lm_tp x lm_cp = {tp_cp} does not divide {' and '.join(bad)}: Mamba layers scan 1 / (tp x cp) "
+                      f"of them a rank (--lm-cp {fits} would do)")
     tokens = lay.micro_batch * cfg.seq_len // cp   # MoE layers route each tp rank's slice of a rank's tokens
     if "E" in cfg.hybrid_override_pattern + cfg.mtp_pattern * bool(cfg.num_nextn_predict_layers) and tokens % lay.lm_tp:
         errors.append(f"micro_batch x seq_len / lm_cp = {tokens} tokens per rank are not divisible by lm_tp "

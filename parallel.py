@@ -174,9 +174,9 @@ def setup(lay, cfg=None):
 
     Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, cp, dp, dp-cp, tp-cp,
     tp-dp, whole; language tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp,
-    etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank
-    lists share one group object (colocated grids, size-1 dims): every rank computes the same lists, so the
-    sequence of new_group calls is still identical everywhere.
+    etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be
+    singletons). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
+    same lists, so the sequence of new_group calls is still identical everywhere.
     """
     if cfg is not None:
         check_layout(lay, cfg)

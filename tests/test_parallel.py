@@ -253,7 +253,8 @@ def test_validation_messages():
          "seq_len 96 is not divisible by 2 x lm_cp = 10: context parallelism cuts each row into 2 x cp equal chunks "
          "(--seq-len 90 would do)"),
         (dataclasses.replace(hetero(1, 1, 1, 1), lm_cp=4, world=5), TINY,
-         "lm_tp x lm_cp = 4 does not divide n_groups 2"),
+         "lm_tp x lm_cp = 4 does not divide n_groups 2: Mamba layers scan 1 / (tp x cp) of them a rank (--lm-cp 2 "
+         "would do)"),
         (dataclasses.replace(hetero(1, 1, 4, 1), lm_cp=3, world=13), dataclasses.replace(TINY, seq_len=18),
          "micro_batch x seq_len / lm_cp = 6 tokens per rank are not divisible by lm_tp 4"),
         (Layout(4, False, 0, 2, 1, 2, micro_batch=1, global_batch=2), TINY, "sizes must be positive integers"),

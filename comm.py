@@ -2,12 +2,17 @@
 
 Each function takes a process group; `None` (or a group of size 1) makes it the identity, so the same model code
 runs on one CPU process, colocated, or sharded. The pairs are each other's adjoints:
-copy_to <-> reduce_from (Megatron's f / g), all_gather_dim <-> split_dim, all_to_all with swapped splits.
+copy_to <-> reduce_from (Megatron's f / g), all_gather_dim <-> split_dim, all_to_all with swapped splits,
+gather_sum <-> its reduce-scatter.
 """
 import zlib
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed these two (and warns on the old names), the CUDA image has torch 2.11
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_size(group):
@@ -77,6 +82,25 @@ class _SplitDim(torch.autograd.Function):
         return torch.cat(parts, ctx.dim), None, None
 
 
+class _GatherSum(torch.autograd.Function):
+    """[...] -> [S, ...]: every rank's tensor, stacked in rank order; backward sums the ranks' gradients of this
+    rank's slot (a reduce-scatter): for a gathered tensor each rank reads differently (context parallelism's K, V),
+    unlike _AllGatherDim's, which every rank uses alike."""
+
+    @staticmethod
+    def forward(ctx, x, group):   # the collectives take the ranks' tensors concatenated along dim 0
+        ctx.group, size = group, dist.get_world_size(group)
+        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+        all_gather(out, x.contiguous(), group=group)
+        return out.view(size, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        reduce_scatter(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return out, None
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single along dim 0 with uneven splits; backward runs the same exchange with splits swapped."""
 
@@ -108,6 +132,10 @@ def all_gather_dim(x, dim, group):
 
 def split_dim(x, dim, group):
     return x if group_size(group) == 1 else _SplitDim.apply(x, dim, group)
+
+
+def gather_sum(x, group):
+    return x.unsqueeze(0) if group_size(group) == 1 else _GatherSum.apply(x, group)
 
 
 def all_to_all(x, out_splits, in_splits, group):
@@ -195,9 +223,12 @@ def full_shape(shape, shards, sizes):
 
 def take_shard(full, shards, ranks, sizes):
     """This rank's slice of a full tensor, cut by `shards` in order (ranks / sizes: {kind: rank / group size})."""
-    for kind, dim, segments in shards:
-        full = shard(full, dim, ranks.get(kind, 0), sizes.get(kind, 1), segments)
-    return full
+    shape = list(full.shape)
+    for kind, dim, _ in shards:
+        shape[dim] //= sizes.get(kind, 1)
+    out = full.new_empty(shape)
+    copy_shard(out, full, shards, ranks, sizes)
+    return out
 
 
 def draw(name, seed, shape, rule, device="cpu"):
@@ -217,7 +248,7 @@ def init_shard(t, name, seed, rule, ranks, sizes, device=None):
 
 
 def copy_shard(t, full, shards, ranks, sizes):
-    """t <- take_shard(full, shards, ranks, sizes), block by block from views of `full`, not through a copy of the
+    """t <- this rank's slice of `full` (take_shard), block by block from views of `full`, not through a copy of the
     slice (every shard after the first cuts another dim, as the model's experts' ep x etp)."""
     if not shards:
         t.copy_(full)

@@ -9,7 +9,7 @@ on a rank's positions as they are; the two mixers that read other positions see 
   Mamba2     an all-to-all from sequence-sharded to head-sharded (`to_heads`): each rank runs the causal conv and
              the SSD scan on whole rows for 1/cp of the heads and groups, so no conv halo and no state passing is
              needed; a second all-to-all brings the output back (`to_positions`)
-Every exchange is comm.all_to_all, whose backward is the same exchange reversed. "Natural order" is the row's own
+Mamba's exchanges are comm.all_to_all, whose backward is the same exchange reversed. "Natural order" is the row's own
 order of positions, 0 .. L - 1; a rank's "local" tensors hold its positions in zigzag order (`positions`).
 
 Shape suffixes: B batch, L the whole row, M this rank's positions (L / cp), W a channel width, S the cp ranks.
@@ -61,10 +61,9 @@ def _exchange(send_S, group):
 def gather(x_BMW, group):
     """The whole rows [B, L, W] in natural order from every rank's positions [B, M, W]. Backward sums each rank's
     gradient for these positions (every rank's queries read all of them) and keeps this rank's: a reduce-scatter."""
-    size = comm.group_size(group)
-    if size == 1:
+    if comm.group_size(group) == 1:
         return x_BMW
-    return natural(list(_exchange(x_BMW.unsqueeze(0).expand(size, *x_BMW.shape), group)), 1)
+    return natural(list(comm.gather_sum(x_BMW, group)), 1)
 
 
 def to_heads(x_BMW, segments, group):

@@ -15,8 +15,9 @@ of 1/cp of those heads and groups (so H and G divide by tp x cp), whose conv and
 Shape suffixes (u_BMD is [B, M, D]; widths are this tp rank's share): B batch, L sequence (whole rows), M this cp
 rank's positions of a row (cp.py), D hidden size, I inner width (heads x head dim), C conv channels (I + 2 G N), W
 conv kernel width. Sizes: H heads, P head dim, G groups, N state size (lowercase in ssd_chunked's shapes, with b
-batch, c chunks, Q chunk length; its einsums' l and s are positions in a chunk, z a chunk). The tensors B, C (ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the
-SSM's input, output and skip terms (docs/decoder.md §2), not sizes.
+batch, c chunks, Q chunk length; its einsums' l and s are positions in a chunk, z a chunk). The tensors B, C
+(ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the SSM's input, output and skip terms (docs/decoder.md
+§2), not sizes.
 """
 import os
 

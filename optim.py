@@ -42,9 +42,6 @@ import torch.distributed as dist
 import comm
 
 BUCKET_BYTES = 64 * 2**20
-# torch 2.13 renamed these two (and warns on the old names), the CUDA image has torch 2.11
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def build(par, vision, lm, cfg, device):
@@ -141,7 +138,7 @@ class Bucket:
         if self.n == 1:
             return shard
         full = torch.empty(self.shard * self.n, dtype=shard.dtype, device=shard.device)
-        _all_gather(full, shard.contiguous(), group=self.group)
+        comm.all_gather(full, shard.contiguous(), group=self.group)
         return full
 
     def split(self, full):
@@ -152,7 +149,7 @@ class Bucket:
         """The gradient buffer summed over the domain -> main.grad, this rank's shard of it."""
         if self.n > 1:
             self.main.grad = torch.empty_like(self.main)
-            _reduce_scatter(self.main.grad, self.grad, group=self.group)
+            comm.reduce_scatter(self.main.grad, self.grad, group=self.group)
             return
         if comm.group_size(self.group) > 1:
             dist.all_reduce(self.grad, group=self.group)

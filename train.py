@@ -308,18 +308,18 @@ def microbatch(run, ds, first, train):
         x, rows = run.bridge.recv()
         samples = [ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)]
         ids, labels, seq_idx, valid = data.collate_text(samples)
-        cp_at = (par.lm.cp_rank, par.lm.cp_size)   # this rank's positions of the rows (cp.py), seq_idx whole
-        ids_dev, labels_dev, seq_idx, valid = (None if t is None else model.host_to_device(t, device) for t in
-                                               (cp.local(ids, *cp_at), cp.local(labels, *cp_at), seq_idx,
-                                                None if valid is None else cp.local(valid, *cp_at)))
+        cp_at = (par.lm.cp_rank, par.lm.cp_size)   # this rank's positions of the rows (cp.py); seq_idx and the
+        ids_dev, labels_BL, seq_idx, valid = (None if t is None else model.host_to_device(t, device) for t in
+                                              (cp.local(ids, *cp_at), labels, seq_idx,   # labels (MTP) whole
+                                               None if valid is None else cp.local(valid, *cp_at)))
         with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
             h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id, *cp_at)
             if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
                 h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
             hidden = run.lm(h, seq_idx, valid)
-            s, _ = run.lm.loss_sum(hidden, labels_dev)
+            s, _ = run.lm.loss_sum(hidden, cp.local(labels_BL, *cp_at))
             if train and run.mtp_weights:   # weighted so the step's gradient is scale / D x sum_k (mean loss of k)
-                mtp = run.lm.mtp_losses(hidden, h, model.host_to_device(labels, device), seq_idx, valid)
+                mtp = run.lm.mtp_losses(hidden, h, labels_BL, seq_idx, valid)
                 run.mtp_sums = [a + b.detach().float() for a, b in zip(run.mtp_sums, mtp)]
         if train:
             (s + sum(w * m for w, m in zip(run.mtp_weights, mtp)) if run.mtp_weights else s).backward()

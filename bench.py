@@ -3,6 +3,8 @@
 Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autocast):
   lm      language model fwd+bwd (batch --batch, seq --seq-len): tokens/s, TFLOP/s, MFU, peak memory; weights as
           train.py keeps them (optim.build): bf16 on CUDA, gradients accumulated into fp32 main_grad
+  graph   the lm part replayed from one CUDA graph (captured after warm-up; every shape static at ep 1): lm - graph
+          is what the host's Python and launch overhead costs the step
   step    lm fwd+bwd + the optimizer's step (optim.AdamW on one rank: fp32 main weights, fused AdamW)
   vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
   moe     one MoE layer fwd+bwd, against two dense bf16 GEMMs (fwd+bwd) with the routed experts' FLOPs
@@ -124,15 +126,34 @@ def lm_fwd_bwd(cfg, batch, dev, with_step=False):
     return fwd_bwd
 
 
-def bench_lm(cfg, args, dev, peak, with_step):
-    fwd_bwd = lm_fwd_bwd(cfg, args.batch, dev, with_step)
+def bench_lm(cfg, args, dev, peak, part):
+    fwd_bwd = lm_fwd_bwd(cfg, args.batch, dev, with_step=part == "step")
+    if part == "graph":
+        if dev.type != "cuda":
+            raise SystemExit("--parts graph needs a GPU: it replays a CUDA graph")
+        fwd_bwd = cuda_graphed(fwd_bwd, args.warmup)
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
+    if part == "graph":
+        mem = None   # the graph's memory was taken at capture, before timed() resets the peak
     if args.profile:
-        profile(fwd_bwd, "step" if with_step else "lm")
+        profile(fwd_bwd, part)
     tokens = args.batch * cfg.seq_len
-    out = figures("step" if with_step else "lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len),
-                  tokens, peak)
-    return out
+    return figures(part, dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len), tokens, peak)
+
+
+def cuda_graphed(fn, warmup):
+    """fn captured in one CUDA graph; its replay. The eager calls before the capture run on a side stream, as
+    capture requires, and compile and autotune every kernel there."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 2)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def bench_hf(cfg, args, dev, peak):
@@ -286,8 +307,8 @@ def main(argv=None):
             if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:  # the last rank (language) reports
                 return results
             print_row(results[part])
-        elif part in ("lm", "step"):
-            results[part] = bench_lm(cfg, args, dev, peak, with_step=part == "step")
+        elif part in ("lm", "graph", "step"):
+            results[part] = bench_lm(cfg, args, dev, peak, part)
         elif part in ("moe", "mamba"):
             results[part] = bench_layer("E" if part == "moe" else "M", cfg, args, dev, peak)
         elif part == "vision":

@@ -5,7 +5,7 @@ to docs/decoder.md §4's tolerances; tests/test_decoder.py checks the reference 
 - CPU / reference: pure PyTorch. Chunked SSD after Mamba-2 "Listing 1" (ssd_minimal), extended with a document
   mask so packed sequences (`seq_idx`) reset the state without per-document loops.
 - CUDA: `mamba_ssm`'s fused `mamba_split_conv1d_scan_combined` (conv via causal_conv1d, SSD, gated norm in one
-  Triton/CUDA pipeline). Imported lazily, only when the input lives on a GPU.
+  Triton/CUDA pipeline). Loaded by tuned.py, only when the input lives on a GPU.
 
 Tensor parallel: each rank owns H/tp heads and G/tp groups; in_proj rows are laid out [z | x | B | C | dt] per
 rank (segments sharded separately), so the local split is the same code as on one device. Context parallel
@@ -19,18 +19,13 @@ batch, c chunks, Q chunk length; its einsums' l and s are positions in a chunk, 
 (ssd_chunked's, Bm / Cm elsewhere) and the parameter D are the SSM's input, output and skip terms (docs/decoder.md
 §2), not sizes.
 """
-import os
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
 import cp
-
-# Triton autotunes the Mamba kernels for each new shape in every new process (most of a minute's start-up): its
-# results kept in Triton's cache directory let the next process on the machine reuse them.
-os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+import tuned
 
 
 class Mamba2Mixer(nn.Module):
@@ -99,7 +94,6 @@ class Mamba2Mixer(nn.Module):
         return y.to(zxbcdt.dtype)
 
     def _kernel_path(self, zxbcdt, seq_idx):
-        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
         conv_w, conv_b, dt_bias, A_log, D, norm_w, _, G = self._heads()
         if seq_idx is not None:
             seq_idx = seq_idx.to(torch.int32).contiguous()
@@ -107,7 +101,7 @@ class Mamba2Mixer(nn.Module):
         if W % 8:   # causal_conv1d's channels-last input needs row strides in multiples of 8: a padded row's view
             zxbcdt = F.pad(zxbcdt, (0, -W % 8))[..., :W]
         # norm_before_gate=False and eps 1e-5: the kernel defaults (True, 1e-6) are wrong for Nemotron.
-        return mamba_split_conv1d_scan_combined(
+        return tuned.mamba_kernel()(
             zxbcdt, conv_w, conv_b, dt_bias, -torch.exp(A_log.float()), D, self.chunk_size, seq_idx=seq_idx,
             activation="silu", rmsnorm_weight=norm_w, rmsnorm_eps=self.eps, headdim=self.headdim, ngroups=G,
             norm_before_gate=False)

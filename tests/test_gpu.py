@@ -50,11 +50,12 @@ def test_mamba_kernel_matches_reference_fp32(packed):
 
 
 @cuda
-@pytest.mark.parametrize("heads,head_dim,groups,state", [(12, 8, 3, 16), (5, 3, 1, 4)], ids=["row300", "conv23"])
+@pytest.mark.parametrize("heads,head_dim,groups,state", [(12, 16, 3, 16), (5, 3, 1, 4)], ids=["row492", "conv23"])
 def test_mamba_odd_widths_gpu_match_cpu(heads, head_dim, groups, state):
-    """Widths the kernels' layout rules reject: an in_proj row of 300 (not a multiple of 8: a tiny Omni's) goes to
-    the kernel as a padded row's view; 23 conv channels (the conv kernel reads 8 at a time) take the reference
-    path on CUDA. Both == the CPU, values and gradients (fp32), packed rows."""
+    """Widths the kernels' layout rules reject: an in_proj row of 492 (not a multiple of 8, as a tiny Omni's 12
+    heads x 8 give 300; head dim 16 keeps the kernels at the tiny preset's tuned shapes, tuned.py) goes to the
+    kernel as a padded row's view; 23 conv channels (the conv kernel reads 8 at a time) take the reference path on
+    CUDA. Both == the CPU, values and gradients (fp32), packed rows."""
     cfg = config.resolve("tiny", dict(mamba_num_heads=heads, mamba_head_dim=head_dim, n_groups=groups,
                                       ssm_state_size=state))
     holder = torch.nn.Module()
@@ -72,6 +73,29 @@ def test_mamba_odd_widths_gpu_match_cpu(heads, head_dim, groups, state):
     errs = [rel_err(a, b) for a, b in zip(*res)]   # the kernel's tolerances: docs/decoder.md §4
     assert errs[0] < 1e-2 and max(errs[1:]) < 1e-1, errs
     print(f"mamba {heads}x{head_dim}, {groups} groups: out rel {errs[0]:.1e}, grads max rel {max(errs[1:]):.1e}")
+
+
+@cuda
+def test_mamba_kernels_take_the_tuned_configs():
+    """The tiny preset's Mamba forward and backward under bf16 autocast, as training runs it: each SSD kernel whose
+    shape tuned.TABLE holds ran the config the table names (tuned.pin; the autotuner chose otherwise in some
+    processes: bench/2026-11-26-startup.md), and the table held the shapes of most of the kernels that ran."""
+    import tuned
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tuned.TABLE applies on compute capability 9.0")
+    cfg = config.resolve("tiny")
+    holder = torch.nn.Module()
+    holder.mixer = Mamba2Mixer(cfg)
+    model.init_weights(holder, 0, {}, cfg)
+    mixer = holder.mixer.cuda()
+    u = torch.randn(2, cfg.seq_len, cfg.hidden_size, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mixer(u).float().square().mean().backward()
+    ran = tuned.chosen()
+    tabled = {k: text for k, text in ran.items() if k[1] in tuned.TABLE.get(k[0], {})}
+    assert len(tabled) >= 12, sorted(ran)
+    assert all(text == tuned.TABLE[name][shape] for (name, shape), text in tabled.items()), tabled
+    print(f"{len(tabled)} of {len(ran)} (kernel, shape) pairs so far took their tabled config")
 
 
 @cuda
@@ -295,9 +319,12 @@ def test_bf16_weights_and_cuda_resume_bit_exact(tmp_path):
     assert modules["vision"].blocks[0].attn.qkv.weight.dtype == torch.bfloat16          # frozen: bf16, no copy
     assert modules["language"].lm_head.weight.dtype == torch.bfloat16
     save = str(tmp_path / "ckpt")
-    straight = _torchrun(1, SMALL + ["--stage", "3", "--steps", "4"], tmp_path, "straight")
-    first = _torchrun(1, SMALL + ["--stage", "3", "--steps", "2", "--save", save], tmp_path, "first")
-    resumed = _torchrun(1, SMALL + ["--stage", "3", "--steps", "4", "--load", save], tmp_path, "resumed")
+
+    def losses(argv):   # in this process: the compiled kernels are reused, no start-up per run
+        return [h["loss"] for h in train.main(SMALL + ["--stage", "3"] + argv)[0]]
+    straight = losses(["--steps", "4"])
+    first = losses(["--steps", "2", "--save", save])
+    resumed = losses(["--steps", "4", "--load", save])
     assert len(first + resumed) == len(straight)
     assert all(abs(a - b) < 1e-3 * b for a, b in zip(first + resumed, straight)), (first, resumed, straight)
 

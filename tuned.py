@@ -1,0 +1,176 @@
+"""The Mamba kernels' start-up: mamba_ssm's fused Mamba2 function loaded without its package's __init__, its SSD
+kernels' Triton configs taken from a table tuned on an H100 for the presets' shapes, and one Triton cache
+directory for the whole process.
+
+Why (one H100, `train.py --preset tiny --steps 3`, bench/2026-11-26-startup.md): mamba_ssm autotunes each of its
+~15 SSD kernels over 6-11 configs for every new shape in every process, compiling each config: 83 s of a 126 s
+first process and 77 s of a second one. Triton's own autotune disk cache skips every kernel whose configs carry a
+pre_hook (the backward kernels zero their outputs that way), and the compiled kernels of one process were not
+found by the next (the cache directory: below). `import mamba_ssm` runs its package __init__, which imports its
+generation utilities and through them transformers and scikit-learn: 6 s a process.
+
+TABLE (bench/tune_mamba.py writes it) maps each kernel and the shape part of its autotune key to the config the
+autotuner chose on one H100; a call whose shape is in it benchmarks that config alone, any other shape autotunes
+as before. It applies on compute capability 9.0 only: another GPU's limits (shared memory) may refuse a config
+chosen there. The choice changes speed, never results: every config computes the same sums.
+"""
+import importlib.util
+import os
+import sys
+
+# Triton keeps compiled kernels and autotune results under TRITON_CACHE_DIR. torch.compile sets it to its own
+# directory in the middle of a process, when it first builds a kernel (not when its cache serves it), so one
+# process's Mamba kernels landed where the next did not look. Set once, at import, before anything compiles.
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ.get("TRITON_HOME", os.path.expanduser("~")),
+                                                       ".triton", "cache"))
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")   # other shapes' autotune results, kept the same way
+
+# bench/tune_mamba.py on one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, mamba_ssm 2.3.2.post1
+TABLE = {'_bmm_chunk_bwd_kernel': {'128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_CS: 32, num_warps: 4, '
+                                      'num_ctas: 1, num_stages: 4, maxnreg: None',
+                           '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_CS: 32, num_warps: 2, num_ctas: '
+                                    '1, num_stages: 5, maxnreg: None',
+                           '32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_CS: 32, num_warps: 4, num_ctas: '
+                                    '1, num_stages: 4, maxnreg: None'},
+ '_bmm_chunk_fwd_kernel': {'128,128,False': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: 4, '
+                                            'num_ctas: 1, num_stages: 4, maxnreg: None',
+                           '16,16,False': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                          'num_ctas: 1, num_stages: 5, maxnreg: None',
+                           '32,32,False': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                          'num_ctas: 1, num_stages: 5, maxnreg: None'},
+ '_chunk_cumsum_bwd_kernel': {'128,128': 'BLOCK_SIZE_H: 16, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,16': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,32': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,64': 'BLOCK_SIZE_H: 16, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,2': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,4': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,2': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,4': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,8': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
+ '_chunk_cumsum_fwd_kernel': {'128,128': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,16': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,32': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,64': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '128,8': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,2': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,4': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '16,8': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,2': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,4': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                              '32,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
+ '_chunk_scan_bwd_dc_kernel': {'128,128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, num_warps: 4, num_ctas: 1, '
+                                             'num_stages: 3, maxnreg: None',
+                               '16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                           'num_stages: 3, maxnreg: None',
+                               '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                           'num_stages: 3, maxnreg: None'},
+ '_chunk_scan_bwd_dcb_kernel': {'128,64': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                          'num_stages: 3, maxnreg: None',
+                                '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, num_stages: '
+                                         '3, maxnreg: None',
+                                '32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, num_stages: '
+                                         '3, maxnreg: None'},
+ '_chunk_scan_bwd_ddAcs_stable_kernel': {'128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                                   'num_stages: 3, maxnreg: None',
+                                         '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                                  'num_stages: 3, maxnreg: None',
+                                         '32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                                  'num_stages: 3, maxnreg: None'},
+ '_chunk_scan_bwd_dstates_kernel': {'16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                                'num_ctas: 1, num_stages: 5, maxnreg: None',
+                                    '32,32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                                'num_ctas: 1, num_stages: 5, maxnreg: None',
+                                    '64,128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: '
+                                                  '4, num_ctas: 1, num_stages: 4, maxnreg: None'},
+ '_chunk_scan_chunk_state_bwd_dx_kernel': {'128,64,128': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
+                                                         'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None',
+                                           '16,16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
+                                                       'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None',
+                                           '32,32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
+                                                       'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None'},
+ '_chunk_scan_fwd_kernel': {'128,64,128,True': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                               'num_ctas: 1, num_stages: 4, maxnreg: None',
+                            '16,16,16,True': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                             'num_ctas: 1, num_stages: 5, maxnreg: None',
+                            '32,32,32,True': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                             'num_ctas: 1, num_stages: 5, maxnreg: None'},
+ '_chunk_state_bwd_db_kernel': {'128,128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, num_warps: 4, num_ctas: 1, '
+                                              'num_stages: 3, maxnreg: None',
+                                '16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                            'num_stages: 3, maxnreg: None',
+                                '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
+                                            'num_stages: 3, maxnreg: None'},
+ '_chunk_state_fwd_kernel': {'16,16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                         'num_ctas: 1, num_stages: 5, maxnreg: None',
+                             '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
+                                         'num_ctas: 1, num_stages: 5, maxnreg: None',
+                             '64,128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: 4, '
+                                           'num_ctas: 1, num_stages: 4, maxnreg: None'},
+ '_state_passing_bwd_kernel': {'1024': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                               '256': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                               '8192': 'BLOCK_SIZE: 1024, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
+ '_state_passing_fwd_kernel': {'1024': 'BLOCK_SIZE: 256, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                               '256': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
+                               '8192': 'BLOCK_SIZE: 512, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'}}
+
+_combined = None
+
+
+def mamba_kernel():
+    """mamba_ssm's mamba_split_conv1d_scan_combined, loaded once a process with TABLE pinned."""
+    global _combined
+    if _combined is None:
+        if "mamba_ssm" not in sys.modules:   # the package without its __init__ (above): its modules import alone
+            spec = importlib.util.find_spec("mamba_ssm")
+            if spec is None:
+                raise SystemExit("mamba_ssm is not installed: Mamba layers on CUDA run its fused kernels. "
+                                 "pip install -e '.[gpu]'")
+            sys.modules["mamba_ssm"] = importlib.util.module_from_spec(spec)
+        from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+        import torch
+        if torch.cuda.get_device_capability() == (9, 0):
+            pin(TABLE)
+        _combined = mamba_split_conv1d_scan_combined
+    return _combined
+
+
+def autotuners():
+    """{kernel name: its triton Autotuner} over mamba_ssm's Triton modules imported so far."""
+    from triton.runtime.autotuner import Autotuner
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mamba_ssm.ops.triton"):
+            found.update({k: v for k, v in vars(module).items() if isinstance(v, Autotuner)})
+    return found
+
+
+def chosen():
+    """{(kernel name, shape): config text} of what the autotuners hold so far in this process; a shape is the
+    autotune key's values without its dtypes (the first of its dtype variants)."""
+    found = {}
+    for name, tuner in autotuners().items():
+        for key, config in tuner.cache.items():
+            shape = ",".join(str(v) for v in key if not str(v).startswith("torch."))
+            found.setdefault((name, shape), str(config))
+    return found
+
+
+def pin(table):
+    """Each kernel in table benchmarks only its tuned config for a tuned shape (the key's values, dtypes left out)."""
+    for name, tuner in autotuners().items():
+        by_text = {str(c): c for c in tuner.configs}
+        chosen = {shape: by_text[text] for shape, text in table.get(name, {}).items() if text in by_text}
+        if chosen:
+            tuner.early_config_prune = _prune_to(chosen, tuner.keys, tuner.early_config_prune)
+
+
+def _prune_to(chosen, keys, before):
+    def prune(configs, nargs, **kwargs):
+        args = {**nargs, **kwargs}
+        shape = ",".join(str(args[k]) for k in keys if k in args)
+        if shape in chosen:
+            return [chosen[shape]]
+        return before(configs, nargs, **kwargs) if before else configs
+    return prune

@@ -5,7 +5,9 @@
 One profiled call (CPU and CUDA activity) after three warm-up calls. Prints the span from the first kernel's start
 to the last kernel's end, the time inside it when no kernel ran (gaps over 5 us), that idle time by the innermost
 host op running during each gap, and the longest gaps with the kernel that ended them. Idle time is host-bound
-time: the GPU had finished everything launched so far. (The profiler's own host overhead inflates it somewhat.)
+time: the GPU had finished everything launched so far. The profiler's own host overhead inflates it: on one H100
+the 20l LM showed 24.1 ms of gaps here, while replaying the same fwd+bwd from a CUDA graph saved 1.6 ms (bench.py
+--parts lm,graph; bench/2026-11-26-startup.md).
 """
 import argparse
 import collections

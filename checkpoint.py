@@ -66,8 +66,8 @@ def _shard_file(kind, name, shards, coords):
 def _entries(par, modules):
     """(full name, parameter or persistent buffer, its ModuleGroups, its coords, its module's slice counts)."""
     for prefix, module in modules.items():
-        groups, sizes = par.vision if prefix == "vision" else par.lm, _sizes(par.layout)[prefix]
-        coords = {k: getattr(groups, f"{k}_rank") for k in ("tp", "ep", "etp")}
+        groups = par.vision if prefix == "vision" else par.lm
+        coords, sizes = groups.shards()
         for name, t in module.state_dict(keep_vars=True).items():
             yield f"{prefix}.{name}", t, groups, coords, sizes
 

@@ -36,10 +36,7 @@ def build(cfg, par, device, skip=frozenset()):
             lora.apply(modules, cfg, par)
     dtypes = optim.weight_dtypes(par, modules.get("vision"), modules.get("language"), cfg, device)
     for key, module in modules.items():
-        groups = par.vision if key == "vision" else par.lm
-        kinds = ("tp",) if key == "vision" else ("tp", "ep", "etp")
-        ranks = {k: getattr(groups, f"{k}_rank") for k in kinds}
-        sizes = {k: getattr(groups, f"{k}_size") for k in kinds}
+        ranks, sizes = (par.vision if key == "vision" else par.lm).shards()
         for name, p in module.named_parameters():
             real = nn.Parameter(torch.empty(p.shape, dtype=dtypes[id(p)], device=device), p.requires_grad)
             real.__dict__.update(p.__dict__)   # shards, tp_partial

@@ -36,6 +36,8 @@ from radio import VisionModel
 
 GIB = 2 ** 30
 TRAIN_SHARE, SETUP_SHARE = 0.92, 0.95   # of a rank's memory the training and the set-up peak may use (required())
+LIMITS = (("peak", TRAIN_SHARE, "training peak (weights, gradients, optimizer state, activations)"),
+          ("setup", SETUP_SHARE, "set-up peak (the weights and one full-size fp32 draw)"))
 _COUNTS = {}                            # parameter_counts' cache
 
 
@@ -198,14 +200,13 @@ def required(rows):
     memory (the plan runs 1-2 % above measured peaks, bench/memory_check.py: about 90 % is really used, the rest is
     the allocator's), its set-up peak 95 % (a few large allocations, little fragmentation). An "80 GB" H100 has
     79.2 GiB: nano on 8 of them plans 71.3 GiB, 90.0 % of it."""
-    return max(max(r["peak"] / TRAIN_SHARE, r["setup"] / SETUP_SHARE) for r in rows.values())
+    return max(r[key] / share for r in rows.values() for key, share, _ in LIMITS)
 
 
 def fits(rows, capacity):
     """None when a plan fits `capacity` bytes per rank (required()), else the figure that does not, in words: which
     peak, its value, and the share of the rank's memory it may use."""
-    for key, share, what in (("peak", TRAIN_SHARE, "training peak (weights, gradients, optimizer state, activations)"),
-                             ("setup", SETUP_SHARE, "set-up peak (the weights and one full-size fp32 draw)")):
+    for key, share, what in LIMITS:
         need = max(r[key] for r in rows.values())
         if need > share * capacity:
             return (f"{need / GIB:.1f} GiB per rank at its {what}, over the {100 * share:.0f} % of the "

@@ -310,11 +310,13 @@ def place_images(h_BMD, input_ids, image_rows, rows_per_sample, image_token_id, 
             raise ValueError(f"sample {b}: {n_slots} image placeholder tokens but {n_rows} image embedding rows")
     if image_rows.shape[0] == 0:
         return h_BMD
-    row = torch.full(is_image.shape, -1).masked_scatter_(is_image, torch.arange(image_rows.shape[0]))
-    row = cp.local(row, cp_rank, cp_size).flatten()          # the image row at each of this rank's positions
-    here = row >= 0
-    pos, src = (host_to_device(t, h_BMD.device) for t in (here.nonzero().squeeze(1), row[here]))
-    return h_BMD.flatten(0, 1).index_copy(0, pos, image_rows[src].to(h_BMD.dtype)).view_as(h_BMD)
+    if cp_size > 1:   # the rows this rank's positions hold, in their order
+        row = torch.full(is_image.shape, -1).masked_scatter_(is_image, torch.arange(image_rows.shape[0]))
+        row = cp.local(row, cp_rank, cp_size).flatten()     # the image row at each of this rank's positions
+        is_image = row >= 0
+        image_rows = image_rows[host_to_device(row[is_image], image_rows.device)]
+    pos = host_to_device(is_image.flatten().nonzero().squeeze(1), h_BMD.device)
+    return h_BMD.flatten(0, 1).index_copy(0, pos, image_rows.to(h_BMD.dtype)).view_as(h_BMD)
 
 
 def host_to_device(t, device):

@@ -130,6 +130,12 @@ class ModuleGroups:
     edp_rank: int = 0
     edp_size: int = 1
 
+    def shards(self):
+        """({kind: rank}, {kind: size}) over the kinds this module's tensors are sliced by (comm.mark_shard): tp,
+        and for the language model's experts ep and etp."""
+        kinds = ("tp",) if self.name == "vision" else ("tp", "ep", "etp")
+        return {k: getattr(self, f"{k}_rank") for k in kinds}, {k: getattr(self, f"{k}_size") for k in kinds}
+
     def identity(self):
         cp = f" cp{self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
         s = f"{self.name} tp{self.tp_rank}/{self.tp_size}{cp} dp{self.dp_rank}/{self.dp_size}"

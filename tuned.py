@@ -152,8 +152,7 @@ def chosen():
     found = {}
     for name, tuner in autotuners().items():
         for key, config in tuner.cache.items():
-            shape = ",".join(str(v) for v in key if not str(v).startswith("torch."))
-            found.setdefault((name, shape), str(config))
+            found.setdefault((name, _shape(v for v in key if not str(v).startswith("torch."))), str(config))
     return found
 
 
@@ -169,8 +168,13 @@ def pin(table):
 def _prune_to(chosen, keys, before):
     def prune(configs, nargs, **kwargs):
         args = {**nargs, **kwargs}
-        shape = ",".join(str(args[k]) for k in keys if k in args)
+        shape = _shape(args[k] for k in keys if k in args)
         if shape in chosen:
             return [chosen[shape]]
         return before(configs, nargs, **kwargs) if before else configs
     return prune
+
+
+def _shape(values):
+    """TABLE's key of a shape: the autotune key's values (dtypes left out), comma-joined."""
+    return ",".join(str(v) for v in values)

@@ -9,6 +9,7 @@ joined by a newline.
 
 Shape suffixes: F frames   3 RGB   H, W pixels   t frames per tubelet
 """
+import contextlib
 import math
 
 import numpy as np
@@ -30,26 +31,33 @@ def _name(src):
     return getattr(src, "name", src)
 
 
-def probe(src):
-    """-> (frames in the file, frames per second or None, (H, W)) from the container's header alone."""
+@contextlib.contextmanager
+def _opened(src, failing):
+    """The container of video `src`; PyAV's errors as one Bad line ("{failing} video NAME: why")."""
     av = _av()
     try:
         with av.open(src) as c:
-            if not c.streams.video:
-                raise Bad(f"video {_name(src)}: no video stream")
-            st = c.streams.video[0]
-            fps = float(st.average_rate) if st.average_rate else None
-            n = st.frames
-            if not n and fps:   # containers that do not count them (Matroska): their duration x the rate
-                secs = float(st.duration * st.time_base) if st.duration else (c.duration or 0) / 1e6
-                n = round(secs * fps)
-            if not n:
-                raise Bad(f"video {_name(src)}: its header gives no frame count")
-            return int(n), fps, (st.codec_context.height, st.codec_context.width)
+            yield c
     except FileNotFoundError:
         raise Bad(f"missing video {_name(src)}") from None
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise Bad(f"unreadable video {_name(src)}: {e}") from None
+        raise Bad(f"{failing} video {_name(src)}: {e}") from None
+
+
+def probe(src):
+    """-> (frames in the file, frames per second or None, (H, W)) from the container's header alone."""
+    with _opened(src, "unreadable") as c:
+        if not c.streams.video:
+            raise Bad(f"video {_name(src)}: no video stream")
+        st = c.streams.video[0]
+        fps = float(st.average_rate) if st.average_rate else None
+        n = st.frames
+        if not n and fps:   # containers that do not count them (Matroska): their duration x the rate
+            secs = float(st.duration * st.time_base) if st.duration else (c.duration or 0) / 1e6
+            n = round(secs * fps)
+        if not n:
+            raise Bad(f"video {_name(src)}: its header gives no frame count")
+        return int(n), fps, (st.codec_context.height, st.codec_context.width)
 
 
 def sample_indices(n, fps, want_fps, max_frames):
@@ -64,19 +72,13 @@ def sample_indices(n, fps, want_fps, max_frames):
 def decode(src, indices):
     """-> uint8 [F, 3, H, W] RGB of the frames at `indices` (increasing), decoding from the start as transformers'
     read_video_pyav does."""
-    av = _av()
     want, frames = set(indices), []
-    try:
-        with av.open(src) as c:
-            for i, frame in enumerate(c.decode(video=0)):
-                if i > indices[-1]:
-                    break
-                if i in want:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-    except FileNotFoundError:
-        raise Bad(f"missing video {_name(src)}") from None
-    except (av.FFmpegError, OSError, ValueError) as e:
-        raise Bad(f"undecodable video {_name(src)}: {e}") from None
+    with _opened(src, "undecodable") as c:
+        for i, frame in enumerate(c.decode(video=0)):
+            if i > indices[-1]:
+                break
+            if i in want:
+                frames.append(frame.to_ndarray(format="rgb24"))
     if len(frames) != len(indices):
         raise Bad(f"undecodable video {_name(src)}: {len(frames)} of the {len(indices)} sampled frames decode")
     return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)

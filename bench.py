@@ -5,7 +5,8 @@ Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autoc
           train.py keeps them (optim.build): bf16 on CUDA, gradients accumulated into fp32 main_grad
   graph   the lm part replayed from one CUDA graph (captured after warm-up; every shape static at ep 1): lm - graph
           is what the host's Python and launch overhead costs the step
-  step    lm fwd+bwd + the optimizer's step (optim.AdamW on one rank: fp32 main weights, fused AdamW)
+  step    lm fwd+bwd of the loss sum + what train.py runs after it (optim.AdamW on one rank: norm, division by
+          the tokens and clipping, fused AdamW on the fp32 main weights, their copy into the bf16 weights)
   vision  vision tower + projector fwd+bwd on one mock_image_size image (stage 3: the whole tower trains)
   moe     one MoE layer fwd+bwd, against two dense bf16 GEMMs (fwd+bwd) with the routed experts' FLOPs
   mamba   one Mamba2 layer fwd+bwd
@@ -117,10 +118,10 @@ def lm_fwd_bwd(cfg, batch, dev, with_step=False):
 
     def fwd_bwd():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            s, n = lm.loss_sum(lm(lm.embed(ids)), ids)
-        (s / n).backward()
-        if with_step:   # what train.py runs after backward: reduce, norm, divide and clip, AdamW
-            opt.finish(1, 1.0)
+            s, _ = lm.loss_sum(lm(lm.embed(ids)), ids)
+        s.backward()   # train.py's: the sum; finish divides by the tokens
+        if with_step:   # what train.py runs after backward: reduce, norm, divide by the tokens and clip, AdamW
+            opt.finish(ids.numel(), 1.0)   # every id is a label
             opt.step()
         opt.zero_grad()
     return fwd_bwd

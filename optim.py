@@ -17,7 +17,9 @@ does), so the sum over micro-batches is fp32 whatever the weights' dtype. finish
   3. norm             every element once: a shard's pieces (replicated buckets: on the domain's rank 0), tp / ep
                       replicas once (comm.counted_in_replica); fp64, one all-reduce over WORLD that also carries the
                       sum over every local copy, so an inf / nan on any rank makes every rank skip (ok False)
-  4. scale            divided by the step's token count and clipped to max_norm, in one multiply
+  4. scale            divided by the step's token count and clipped to max_norm: one factor, which AdamW's fused
+                      kernel applies as it reads each gradient (its grad_scale, the hook torch.amp's GradScaler
+                      uses): one pass over the fp32 gradients fewer than a multiply before the step
 step(): torch AdamW on the shards (elementwise: the same numbers as unsharded AdamW), then the updated shards are
 all-gathered into the model's weights.
 Weights, a policy (fp32_weights): sharded on CUDA they are bf16 (2 bytes, no autocast cast a micro-batch): 2 + 4 +
@@ -161,7 +163,7 @@ class AdamW:
     (the module docstring). `param_groups` are its inner torch AdamW's: train.py sets lr on them."""
 
     def __init__(self, domain_list, lr, weight_decay, device, sharded=True, checkpointing=False):
-        self.lr, self.weight_decay, self.fused, self.sharded = lr, weight_decay, device.type == "cuda", sharded
+        self.lr, self.weight_decay, self.sharded = lr, weight_decay, sharded
         self.buckets, self.partial = [], []
         for group, groups, params in domain_list:
             fp32 = _fp32_domain(group, params, sharded, device.type == "cuda", checkpointing)
@@ -186,7 +188,7 @@ class AdamW:
         groups = [{"params": [b.main for b in self.buckets if b.decay], "weight_decay": self.weight_decay},
                   {"params": [b.main for b in self.buckets if not b.decay], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), fused=self.fused) if groups else None
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95), fused=True) if groups else None
 
     @property
     def param_groups(self):   # AdamW.load_state_dict replaces its list
@@ -216,8 +218,9 @@ class AdamW:
         ok = math.isfinite(norm)                   # the same value on every rank: all step or all skip
         if ok:
             factor = (min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0) / n   # max_norm 0: no clipping
-            if self.buckets and factor != 1.0:
-                torch._foreach_mul_([b.main.grad for b in self.buckets], factor)
+            if self.inner is not None:   # the fused kernel divides each gradient by it (step 4)
+                self.inner.grad_scale = None if factor == 1.0 else \
+                    torch.tensor(1.0 / factor, device=self.buckets[0].main.device)
         else:
             self.zero_grad()
         return norm, ok

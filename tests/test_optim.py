@@ -197,8 +197,11 @@ def _make_params(par, lay):
 
 
 def _grads(opt):
-    """{id(param): its full (this rank's tp / ep slice) reduced gradient}, from the optimizer's shards."""
-    return {k: g for b in opt.buckets for k, g in b.split(b.gather(b.main.grad)).items()}
+    """{id(param): its full (this rank's tp / ep slice) gradient as AdamW steps it}, from the optimizer's shards:
+    the reduced sums divided by the fused kernel's grad_scale (finish's step 4)."""
+    scale = getattr(opt.inner, "grad_scale", None)
+    return {k: g if scale is None else g / scale
+            for b in opt.buckets for k, g in b.split(b.gather(b.main.grad)).items()}
 
 
 def _norm(par, opt, grads):
@@ -280,3 +283,35 @@ def test_missing_gradients_become_zeros_without_a_group_too():
     (used, unused, frozen, n), = run_distributed(_missing, 1)
     assert torch.equal(used, torch.full((3,), 2.0)) and torch.equal(unused, torch.zeros(3))
     assert frozen is None and n == 2
+
+
+def _clipped_step(rank, world):
+    g = torch.tensor([3.0, -4.0, 0.5, 12.0]) * 1e-7   # near AdamW's eps (1e-8): the step shows the gradient's scale
+    w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4).repeat(2, 1))
+    w.grad = torch.stack([g, -g])
+    one_rank = types.SimpleNamespace(vision=None, lm=ModuleGroups("lm"))
+    opt = optim.AdamW(optim.domains(one_rank, None, torch.nn.ParameterList([w])), 1e-2, 0.1, torch.device("cpu"))
+    norm, ok = opt.finish(4, max_norm=1e-7)
+    opt.step()
+    return norm, ok, w.detach().clone()
+
+
+def test_step_takes_the_divided_and_clipped_gradients():
+    """finish(4, 1e-7) then step() == torch's AdamW given the gradient / 4, clipped to norm 1e-7 by hand (the
+    fused kernel applies the factor: nothing multiplies the gradients before it)."""
+    (norm, ok, got), = run_distributed(_clipped_step, 1)
+    g = torch.tensor([3.0, -4.0, 0.5, 12.0]) * 1e-7
+    full = torch.stack([g, -g])
+    want_norm = full.norm().item() / 4
+    assert ok and abs(norm - want_norm) < 1e-6 * want_norm
+
+    def plain(grad):
+        w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 4).repeat(2, 1))
+        w.grad = grad
+        torch.optim.AdamW([w], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False).step()
+        return w.detach()
+
+    want = plain(full / 4 * (1e-7 / (want_norm + 1e-6)))
+    assert (got - want).abs().max() < 1e-7, (got, want)
+    # negative control: without the clipping (x 0.3 here) the step moves the weights elsewhere
+    assert (got - plain(full / 4)).abs().max() > 1e-4

@@ -323,20 +323,33 @@ class Encoder:
             frames = video.decode(src, at)
         return (th, tw), heads, video.tubelets(frames, th, tw, cfg.vit_patch, t)
 
+    def _visual(self, heads, grid, runs=None, at=0):
+        """The ids of an image (heads [[]]) or of a video's tubelets (a label before each) of patch grid `grid`:
+        each head, then <img>, a placeholder per projected row and </img>, tubelets joined by a newline. runs: the
+        [start, end) of each <img>..</img> is appended to it, counted from `at`."""
+        sp, (th, tw) = self.sp, grid
+        run = [sp["<img>"]] * ("<img>" in sp) + [self.cfg.image_token_id] * (th * tw // 4) + \
+            [sp["</img>"]] * ("</img>" in sp)
+        out, nl = [], self.tok.encode("\n") if len(heads) > 1 else []
+        for g, head in enumerate(heads):
+            out += (nl if g else []) + head
+            if runs is not None:
+                runs.append((at + len(out), at + len(out) + len(run)))
+            out += run
+        return out
+
     def encode(self, obj, base_dir, pixels, verify=False):
         """-> (ids, mask, images): mask[t] = token t is a target; images: normalised tensors (images [3, H, W], video
         tubelets [3t, H, W]), or None without pixels. A video's tokens count as text; the images share the room
         the text leaves in seq_len (docs/vision.md §8, §11)."""
-        cfg, sp, p = self.cfg, self.sp, self.cfg.vit_patch
+        cfg, p = self.cfg, self.cfg.vit_patch
         pieces = self.pieces(obj)
-        wrap = [sp["<img>"]] * ("<img>" in sp), [sp["</img>"]] * ("</img>" in sp)
+        wrap = len(self._visual([[]], (0, 0)))   # <img> </img> around an image's placeholders
         videos = {k: self.video(x[1], base_dir, pixels, verify) for k, (x, _) in enumerate(pieces)
                   if isinstance(x, tuple)}
         paths = [formats.image_source(x, base_dir) for x, _ in pieces if isinstance(x, (str, bytes))]
-        nl = self.tok.encode("\n")
-        n_video = sum(sum(len(h) + len(wrap[0]) + len(wrap[1]) + th * tw // 4 for h in heads)
-                      + len(nl) * (len(heads) - 1) for (th, tw), heads, _ in videos.values())
-        n_text = sum(len(x) for x, _ in pieces if isinstance(x, list)) + (len(wrap[0]) + len(wrap[1])) * len(paths)
+        n_video = sum(len(self._visual(heads, grid)) for grid, heads, _ in videos.values())
+        n_text = sum(len(x) for x, _ in pieces if isinstance(x, list)) + wrap * len(paths)
         if any(cfg.image_token_id in x for x, _ in pieces if isinstance(x, list)):
             raise Bad("text holds the image token; its placeholders would not match the images")
         opened = [_open_image(path, pixels, verify) for path in paths]
@@ -352,16 +365,9 @@ class Encoder:
                     (th, tw), heads, tubes = next(grids), [[]], None
                     u8 = next(opened)[1]
                     tubes = [radio.resize(u8, th, tw, p)] if pixels else None
-                for g, head in enumerate(heads):
-                    if g:
-                        ids += nl
-                        mask += [train] * len(nl)
-                    ids += head
-                    mask += [train] * len(head)
-                    run = wrap[0] + [cfg.image_token_id] * (th * tw // 4) + wrap[1]
-                    runs.append((len(ids), len(ids) + len(run)))
-                    ids += run
-                    mask += [train] * len(run)   # image ids are never targets anyway (labels rule in make_row)
+                visual = self._visual(heads, (th, tw), runs, len(ids))
+                ids += visual
+                mask += [train] * len(visual)   # image ids are never targets anyway (labels rule in make_row)
                 if pixels:
                     images += tubes
             else:

@@ -351,9 +351,9 @@ class HFSource:
             raise ValueError(f"{vision_hf}/config.json: model_type {radio_hf.get('model_type')!r}, expected 'radio'")
         self.cfg = config_from_hf(hf, source, preset, image_token_id, radio_hf)
         files = _tensor_files(hf_dir)
-        video = _vision_hf_name("vision.video_embedder.weight", omni)
-        if self.cfg.video_temporal_patch and (omni or vision_hf) and \
-                video not in (files if omni else _tensor_files(vision_hf)):
+        tower_files = files if omni else _tensor_files(vision_hf) if vision_hf is not None else None
+        if self.cfg.video_temporal_patch and tower_files is not None and \
+                _vision_hf_name("vision.video_embedder.weight", omni) not in tower_files:
             # our export of a tower without one: transformers' config must still name a size (docs/vision.md §11)
             self.cfg = dataclasses.replace(self.cfg, video_temporal_patch=0)
         self.where, self.fresh, self.handles, errors, skipped = {}, {}, {}, [], {}
@@ -364,10 +364,10 @@ class HFSource:
         no_mtp = self.cfg.num_nextn_predict_layers and not any(k.startswith(lm_root + "mtp.") for k in files)
         errors += self._map(files, {k: v for k, v in shapes.items() if not (no_mtp and ".mtp." in k)},
                             lambda k: lm_root + k[len("language."):], skipped)
-        if omni or vision_hf is not None:   # --vision-hf: the tower from RADIO_DIR, a fresh projector (below)
+        if tower_files is not None:   # --vision-hf: the tower from RADIO_DIR, a fresh projector (below)
             tower = {k: v for k, v in vision.items()   # a radio directory has neither projector nor MTP's final norm
                      if omni or not k.startswith(("vision.mlp1.", "vision.final_layernorm."))}
-            errors += self._map(files if omni else _tensor_files(vision_hf), tower,
+            errors += self._map(tower_files, tower,
                                 lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
         for k in set(shapes) - set(self.where):   # drawn when read, as a fresh model draws them (comm.draw): the

@@ -32,11 +32,16 @@ from parallel import lane_samples, lanes, lm_grid, vision_grid
 #   language ranks: x, rows_per_sample = bridge.recv()      # [R_lane, D] leaf with requires_grad, same on all tp
 #                   loss = lm(x, ...); loss.backward()
 #                   bridge.send_grad()                      # leader sends x.grad (zeros when None) back
-# Under NCCL, point-to-point operations between two ranks run in the order they were posted on one stream. So the
-# encoder posts the receive of gradient m before the send of microbatch m+1: the language leader sends gradient m
-# before it receives m+1, and the opposite order on the encoder would deadlock once payloads outgrow NCCL's buffers.
+# Every transfer is a batch of point-to-point operations on the bridge group (one NCCL communicator for all links),
+# and every link is opened in both directions when the Bridge is built, in set-up, where all leaders arrive together:
+# NCCL's first transfer between two ranks blocks the host until the peer posts its match, and an unbatched send or
+# receive would make a 2-rank communicator on first use, mid-step (docs/parallel.md §9). Operations between two
+# ranks run in the order they were posted, on one stream. So the encoder posts the receive of gradient m before the
+# send of microbatch m+1: the language leader sends gradient m before it receives m+1, and the opposite order on the
+# encoder would deadlock once payloads outgrow NCCL's buffers.
 # Colocated: send keeps rows, recv returns that very tensor (autograd flows straight into the encoder), send_grad
-# and backward_encoder do nothing. Text-only microbatches still send one header and one 0-row payload per link.
+# and backward_encoder do nothing. Text-only microbatches still send one header per link (a 0-row payload or
+# gradient is posted by neither side: both know its size).
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ def bridge_links(lay):
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)   # header code = index
-TAG_HEADER, TAG_PAYLOAD, TAG_GRAD = 101, 102, 103                       # distinct tags: payloads never cross
+TAG_HEADER, TAG_PAYLOAD, TAG_GRAD, TAG_OPEN = 101, 102, 103, 104           # gloo matches by tag: payloads never cross
 
 
 class Bridge:
@@ -84,6 +89,29 @@ class Bridge:
         self._x = self._pass = None
         self._splits = None                    # language: rows per link of the pending microbatch (for backward)
         self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
+        if self.out_links or self.in_links:
+            self._open()
+
+    def _post(self, ops):
+        """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch -> its requests."""
+        ops = [dist.P2POp(op, t, peer, group=self.par.bridge, tag=tag) for op, t, peer, tag in ops if t.numel()]
+        return dist.batch_isend_irecv(ops) if ops else []   # 0 rows (text only): both sides know, neither posts
+
+    def _open(self):
+        """Every link of this leader, both directions, one element each: the connections NCCL sets up on a pair's
+        first transfer are made here, where every leader of the bridge group takes part (NCCL needs them all in the
+        group's first batch), not mid-step where the peer may be waiting in another operation."""
+        ops = []
+        for ln in self.out_links:
+            ops += [(dist.isend, torch.zeros(1, device=self.device), ln.dst_leader, TAG_OPEN),
+                    (dist.irecv, torch.zeros(1, device=self.device), ln.dst_leader, TAG_OPEN)]
+        for ln in self.in_links:
+            ops += [(dist.irecv, torch.zeros(1, device=self.device), ln.src_leader, TAG_OPEN),
+                    (dist.isend, torch.zeros(1, device=self.device), ln.src_leader, TAG_OPEN)]
+        for r in self._post(ops):
+            r.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def in_flight(self):
@@ -108,20 +136,18 @@ class Bridge:
         link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
         splits = [sum(c) for c in link_counts]
         chunks = [c.contiguous() for c in rows.detach().split(splits)] if self.out_links else []
-        reqs = []
+        ops = []
         for ln, c, chunk in zip(self.out_links, link_counts, chunks):
             header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
                                   dtype=torch.int64, device=rows.device)
-            reqs.append(dist.isend(header, ln.dst_leader, group=self.par.bridge, tag=TAG_HEADER))
-            reqs.append(dist.isend(chunk, ln.dst_leader, group=self.par.bridge, tag=TAG_PAYLOAD))
-        self._flight.append([rows, splits, reqs, None])
+            ops += [(dist.isend, header, ln.dst_leader, TAG_HEADER), (dist.isend, chunk, ln.dst_leader, TAG_PAYLOAD)]
+        self._flight.append([rows, splits, self._post(ops), None])
         self.sent += 1
 
     def _post_grad_recv(self, entry):
         rows, splits = entry[0], entry[1]
         parts = [rows.new_empty(n, rows.shape[1]) for n in splits]
-        return parts, [dist.irecv(p, ln.dst_leader, group=self.par.bridge, tag=TAG_GRAD)
-                       for ln, p in zip(self.out_links, parts)]
+        return parts, self._post([(dist.irecv, p, ln.dst_leader, TAG_GRAD) for ln, p in zip(self.out_links, parts)])
 
     def backward_encoder(self):
         """For the oldest microbatch in flight: receive d(loss)/d(rows), share it in the lane's tp group, run
@@ -163,18 +189,16 @@ class Bridge:
             return rows, counts
         if self.in_links:                      # leader: all headers, then all payloads, links in lane order
             headers = [torch.empty(4 + len(ln.samples), dtype=torch.int64, device=self.device) for ln in self.in_links]
-            reqs = [dist.irecv(h, ln.src_leader, group=self.par.bridge, tag=TAG_HEADER)
-                    for ln, h in zip(self.in_links, headers)]
-            for r in reqs:
+            for r in self._post([(dist.irecv, h, ln.src_leader, TAG_HEADER)
+                                 for ln, h in zip(self.in_links, headers)]):
                 r.wait()
             flat = torch.cat(headers).cpu()                                 # one device->host copy for all links
             heads = [h.tolist() for h in flat.split([len(h) for h in headers])]
             assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
             code, hidden = heads[0][1], heads[0][3]
             parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
-            reqs = [dist.irecv(p, ln.src_leader, group=self.par.bridge, tag=TAG_PAYLOAD)
-                    for ln, p in zip(self.in_links, parts)]
-            for r in reqs:
+            for r in self._post([(dist.irecv, p, ln.src_leader, TAG_PAYLOAD)
+                                 for ln, p in zip(self.in_links, parts)]):
                 r.wait()
             x = torch.cat(parts)
             self._splits = [h[2] for h in heads]
@@ -206,7 +230,6 @@ class Bridge:
         if m.cp_size > 1 and m.tp_rank == 0:
             dist.reduce(grad, dst=self.lm_leader, group=m.cp)
         if self.in_links:
-            reqs = [dist.isend(g.contiguous(), ln.src_leader, group=self.par.bridge, tag=TAG_GRAD)
-                    for ln, g in zip(self.in_links, grad.detach().split(self._splits))]
-            for r in reqs:
+            for r in self._post([(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
+                                 for ln, g in zip(self.in_links, grad.detach().split(self._splits))]):
                 r.wait()

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 import comm
 import config
 import model
+import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
 FORMAT = "hetero-vlm-checkpoint/1"
@@ -179,6 +180,7 @@ def _write_files(step_dir, files):
     """{file: {key: tensor}} into step_dir -> {file: {key: crc32}}."""
     for fname, tensors in files.items():
         write_atomic(os.path.join(step_dir, fname), tensors)
+        watchdog.progress()   # a long save is no hang; ranks with less to write wait in close()
     return {fname: {k: _crc(v) for k, v in tensors.items()} for fname, tensors in files.items()}
 
 
@@ -434,6 +436,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     trained, mains = {id(p) for p in params}, {}
     with torch.no_grad():
         for name, t, _, coords, sizes in entries:
+            watchdog.progress()   # reading weights can take long: no hang
             x = r.read(name, shards=getattr(t, "shards", ()), coords=coords, sizes=sizes)
             same_kind = x.dtype == t.dtype or (x.is_floating_point() and t.is_floating_point())  # bf16 <-> fp32
             if x.shape != t.shape or not (same_kind or finetune):

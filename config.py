@@ -125,6 +125,8 @@ class Config:
     moe_force_balance: bool = _f(False, "benchmarks only: route every token to fixed experts in turn, so all experts "
                                  "get the same rows (the routers of published throughputs)")
     max_skipped_steps: int = _f(10, "abort after this many consecutive non-finite steps (0: never)")
+    collective_timeout: float = _f(300.0, "seconds the ranks may wait on each other before the run ends with a line "
+                                   "naming the wait (set-up, the first step and evaluation: 4 times it; watchdog.py)")
     # ---- layout (None: chosen, layout.py) ----
     vision_tp: int | None = None
     vision_dp: int | None = None
@@ -310,6 +312,7 @@ RANGES = [
       "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths", "video_target_patches"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
       "mtp_loss_scale", "video_fps"), 0.0, ">= 0"),
+    (("collective_timeout",), 1.0, ">= 1 (seconds)"),
 ]
 
 

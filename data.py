@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -599,6 +600,14 @@ def _identity(x):
     return x
 
 
+def _leave_signals_to_the_rank(worker_id):
+    """A DataLoader worker ignores SIGINT and SIGTERM: they reach it too (Ctrl-C signals the terminal's process group,
+    torchrun the rank's), and a worker ended by one would end the rank with an error before its signal save
+    (failsafe.py). The rank ends its workers when it exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Loader:
     """The samples one rank owns, one step at a time, built ahead by DataLoader workers (prefetch).
 
@@ -617,7 +626,7 @@ class Loader:
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
                 _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None, sampler=_From(base, self.spm),
-                num_workers=self.num_workers, collate_fn=_identity,
+                num_workers=self.num_workers, collate_fn=_identity, worker_init_fn=_leave_signals_to_the_rank,
                 prefetch_factor=self.prefetch if self.num_workers else None))
         out = {}
         for _ in range(n_micro):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import moe
+import watchdog
 
 interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
 
@@ -68,9 +69,12 @@ def guard_streams():
 class Stop:
     """SIGINT / SIGTERM -> a flag; calling the object is the collective that agrees on it (see the docstring)."""
 
-    def __init__(self, device):
+    def __init__(self, device, timeout=None):
         self.signum = self.agreed = 0
-        self.group = dist.new_group(backend="gloo") if device.type == "cuda" else None   # CPU: the default is gloo
+        self.group = None   # CPU: the default group is gloo
+        if device.type == "cuda":
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+            watchdog.name(self.group, "world (gloo: the signal check)")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import watchdog
 from layout import Layout, check_layout
 
 
@@ -175,14 +176,15 @@ FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp",
          "tp-cp-dp-pp": "whole", "etp-ep": "etp_ep", "etp-ep-pp": "etp_ep_pp"}
 
 
-def setup(lay, cfg=None):
+def setup(lay, cfg=None, timeout=None):
     """Build both grids and create every group of every grid on EVERY rank (new_group is collective over WORLD).
 
     Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, cp, dp, dp-cp, tp-cp,
     tp-dp, whole; language tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp,
     etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be
     singletons). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
-    same lists, so the sequence of new_group calls is still identical everywhere.
+    same lists, so the sequence of new_group calls is still identical everywhere. `timeout`: torch's timeout of
+    every group (watchdog.backstop); each group is named for watchdog's messages.
     """
     if cfg is not None:
         check_layout(lay, cfg)
@@ -199,7 +201,9 @@ def setup(lay, cfg=None):
         mine = None
         for ranks in rank_lists:
             if tuple(ranks) not in made:
-                made[tuple(ranks)] = dist.new_group(ranks)
+                made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    watchdog.name(made[tuple(ranks)], label)
             if rank in ranks:
                 mine = made[tuple(ranks)]
         return mine

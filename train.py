@@ -50,6 +50,7 @@ import moe
 import optim
 import parallel
 import resume
+import watchdog
 from bridge import Bridge
 from radio import VisionModel
 
@@ -212,14 +213,17 @@ def main(argv=None):
     lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say, strict=not inv.dry_run)
     if inv.dry_run:
         return memory.dry_run(cfg, lay, capacity)
-    run = setup(cfg, inv, lay, start, device)
-    if inv.eval_only:  # the last line printed is the JSON result
-        result = evaluate(run)
-        if run.log_rank:
-            print(json.dumps(result), flush=True)
-        history = [result]
-    else:
-        history = train(run)
+    try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
+        run = setup(cfg, inv, lay, start, device)
+        if inv.eval_only:  # the last line printed is the JSON result
+            result = evaluate(run, first=True)
+            if run.log_rank:
+                print(json.dumps(result), flush=True)
+            history = [result]
+        else:
+            history = train(run)
+    finally:
+        watchdog.stop()
     if run.own_group:
         dist.destroy_process_group()
     return history, run.modules
@@ -233,9 +237,11 @@ def setup(cfg, inv, lay, start, device):
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", world_size=world, rank=rank,
+                                timeout=watchdog.backstop(cfg.collective_timeout),
                                 **({} if "MASTER_ADDR" in os.environ else  # plain `python train.py`
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
-    par = parallel.setup(lay, cfg)
+    watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
+    par = parallel.setup(lay, cfg, watchdog.backstop(cfg.collective_timeout))
     parallel.print_ranks(par)
     lead = par.lm is not None and par.lm.tp_rank == par.lm.cp_rank == par.lm.dp_rank == 0   # prints the loss
     run = Run(cfg, start, lay, par, device, lead, own_group)
@@ -363,11 +369,13 @@ def reduce_loss(run, loss_sum):
     return loss_sum.item()
 
 
-def train_step(run, step, stop):
+def train_step(run, step, stop, first=False):
     """One optimizer step (the module docstring) -> its history entry, or None when a signal (`stop`, every rank
-    agreeing at micro-batch boundaries) abandoned it; updates run.counters."""
+    agreeing at micro-batch boundaries) abandoned it; updates run.counters. `first`: the process's first step
+    (it compiles: the watchdog allows it more)."""
     cfg, lay, lm, c = run.cfg, run.lay, run.lm, run.counters
     t0 = time.perf_counter()
+    watchdog.mark(f"step {step + 1}", first)
     rng = checkpoint.rng_state()
     lr = learning_rate(cfg, c["good_steps"], c["good_steps"] * cfg.global_batch)  # skipped steps advance neither
     for g in run.opt.param_groups:
@@ -386,6 +394,7 @@ def train_step(run, step, stop):
     loss_sum = torch.zeros((), device=run.device)
     run.flops = run.real_tokens = 0
     for k in range(n_micro):  # signal checks: language ranks before a micro-batch, vision after (failsafe.py)
+        watchdog.mark(f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first)
         if lm is not None and stop():
             break
         loss_sum += microbatch(run, batch, base + k * lay.samples_per_microbatch, train=True)
@@ -394,6 +403,7 @@ def train_step(run, step, stop):
     if stop.agreed:
         failsafe.abandon_step(run.bridge, run.modules, run.opt, run.train_loader, base, rng)
         return None
+    watchdog.mark(f"step {step + 1}, after its micro-batches", first)
     while run.bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
         run.bridge.backward_encoder()
     norm, ok = run.opt.finish(n_global, cfg.clip_grad)   # reduce, norm, divide, clip; or all ranks skip
@@ -420,18 +430,20 @@ def train_step(run, step, stop):
             "step_time_s": time.perf_counter() - t0, **({"mtp_loss": mtp} if mtp and lm is not None else {})}
 
 
-def evaluate(run):
+def evaluate(run, first=False):
     """Score every sample of run.eval_set once -> {eval_loss (per token), eval_ppl, eval_tokens, eval_samples}.
-    The samples and their tokens are the same in every layout, so are the numbers (up to summation order)."""
+    The samples and their tokens are the same in every layout, so are the numbers (up to summation order).
+    `first`: the process's first evaluation (it compiles: the watchdog allows it more)."""
     spm = run.lay.samples_per_microbatch
     for m in run.modules.values():
         m.eval()
     total, tokens = torch.zeros((), device=run.device), 0
     with torch.no_grad():
-        for first in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
-            batch = run.eval_loader.step(first, 1)
-            total += microbatch(run, batch, first, train=False)
-            tokens += lane_tokens(run, batch, first, 1)[0]
+        for i in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
+            watchdog.mark(f"evaluation, micro-batch {i // spm + 1}/{-(-len(run.eval_set) // spm)}", first)
+            batch = run.eval_loader.step(i, 1)
+            total += microbatch(run, batch, i, train=False)
+            tokens += lane_tokens(run, batch, i, 1)[0]
     for m in run.modules.values():
         m.train()
     n, = global_token_count(run.par, [tokens])
@@ -475,14 +487,16 @@ def train(run):
     if run.device.type == "cuda":   # step lines report the training peak; set-up's (init.py, optim.build) apart
         log.say(f"set-up peak memory {logs.peak_memory_gib(run.device):.2f} GiB")
         torch.cuda.reset_peak_memory_stats(run.device)
-    stop = failsafe.Stop(run.device)  # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
+    # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
+    stop = failsafe.Stop(run.device, watchdog.backstop(cfg.collective_timeout))
     history = []  # per step, on every rank: what tests and callers of main() inspect
     bad_steps = 0  # consecutive skipped (non-finite) steps
     for m in run.modules.values():
         m.train()
     failsafe.nothing_to_train(run.counters, cfg.steps, start.load if start.kind == "resume" else None, log.say)
-    for step in range(run.counters["step"], cfg.steps):
-        h = train_step(run, step, stop)
+    first, evaluated = run.counters["step"], False   # the first step and evaluation of the process compile
+    for step in range(first, cfg.steps):
+        h = train_step(run, step, stop, first=step == first)
         if h is None:
             break
         history.append(h)
@@ -492,9 +506,12 @@ def train(run):
             log.step(step_record(run, history[-1], log))
         log.bar.update(1)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            log.eval(step + 1, evaluate(run))
+            log.eval(step + 1, evaluate(run, first=not evaluated))
+            evaluated = True
         if saver is not None:  # --save-every and the last step; also commits an async save
+            watchdog.mark(f"step {step + 1}, checkpoint")
             saver.after_step(step + 1, dict(run.counters), last=step + 1 == cfg.steps)
+    watchdog.mark("the end of the run")
     if stop.agreed and saver is not None and history:  # the last completed step (nothing new: nothing to save)
         saver.save(run.counters["step"], dict(run.counters))
     if saver is not None:

@@ -77,3 +77,30 @@ def run_distributed(fn, world_size, *args, timeout=60.0):
         missing = sorted(set(range(world_size)) - set(done))
         raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (deadlock?)")
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+# train.py as `python train.py` runs it, with the language side's collate slowed down and a marker file (its path
+# + RANK) written when its micro-batch number `at` starts (mid-step): a test then sends its signal.
+SLOW_TRAIN = r"""
+import os, runpy, sys, time
+sys.path.insert(0, {root!r})
+import data
+collate, calls = data.collate_text, []
+def slow(samples):
+    calls.append(1)
+    if len(calls) == {at}:
+        open({marker!r} + os.environ.get("RANK", "0"), "w").close()
+    time.sleep(0.3)
+    return collate(samples)
+data.collate_text = slow
+sys.argv = ["train.py"] + {argv!r}
+runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
+"""
+
+
+def slow_train(path, marker, argv, at):
+    """Write SLOW_TRAIN for `argv` to `path` -> path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(path, "w") as f:
+        f.write(SLOW_TRAIN.format(root=root, marker=marker, argv=list(argv), at=at))
+    return path

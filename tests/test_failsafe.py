@@ -27,7 +27,7 @@ import logs
 import optim
 import radio
 import train
-from tests.spawn import run_distributed
+from tests.spawn import run_distributed, slow_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--global-batch", "4", "--lr-decay-iters", "6"]
@@ -59,29 +59,9 @@ def latest(save):
     return open(os.path.join(save, "latest")).read().strip()
 
 
-# Run train.py as `python train.py` does, with the language side's collate slowed down and a marker file written
-# when step 2's third micro-batch starts (mid-step): the test then sends its signal.
-SLOW = r"""
-import os, runpy, sys, time
-sys.path.insert(0, {root!r})
-import data
-collate, calls = data.collate_text, []
-def slow(samples):
-    calls.append(1)
-    if len(calls) == 7:                       # 4 micro-batches a step: step 2, micro-batch 3
-        open({marker!r} + os.environ.get("RANK", "0"), "w").close()
-    time.sleep(0.3)
-    return collate(samples)
-data.collate_text = slow
-sys.argv = ["train.py"] + {argv!r}
-runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
-"""
-
-
 def _launch(tmp_path, argv, torchrun, **popen):
     marker = str(tmp_path / "midstep")
-    script = tmp_path / "slow_train.py"
-    script.write_text(SLOW.format(root=ROOT, marker=marker, argv=argv))
+    script = slow_train(str(tmp_path / "slow_train.py"), marker, argv, at=7)   # 4 micro-batches a step: step 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(script)] if torchrun else [sys.executable, str(script)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -95,8 +75,9 @@ def _launch(tmp_path, argv, torchrun, **popen):
 
 
 def test_sigterm_to_torchrun_mid_step_saves_the_last_step_and_resumes_exactly(tmp_path):
+    """torchrun signals the whole process group of a rank: its DataLoader workers get the SIGTERM too."""
     save = str(tmp_path / "ckpt")
-    argv = HETERO2 + ["--steps", "3", "--save", save]
+    argv = HETERO2 + ["--steps", "3", "--save", save, "--num-workers", "1"]
     proc = _launch(tmp_path, argv, torchrun=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -106,7 +87,7 @@ def test_sigterm_to_torchrun_mid_step_saves_the_last_step_and_resumes_exactly(tm
     meta = json.load(open(os.path.join(save, "step_00000001", "meta.json")))
     assert meta["counters"] == {"step": 1, "good_steps": 1, "consumed_samples": 4, "skipped": 0}
     straight = run_distributed(_train, 2, HETERO2 + ["--steps", "3"])
-    resumed = run_distributed(_train, 2, argv + ["--load", save])
+    resumed = run_distributed(_train, 2, argv + ["--load", save, "--num-workers", "0"])   # (forked children)
     for rank in range(2):
         assert len(resumed[rank][0]) == 2
         assert [h["loss"] for h in resumed[rank][0]] == [h["loss"] for h in straight[rank][0][1:]]

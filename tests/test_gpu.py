@@ -296,15 +296,15 @@ def test_signal_save_time_20l(tmp_path):
 SMALL = ["--preset", "small", "--global-batch", "2", "--lr", "1e-3", "--seq-len", "512", "--lr-decay-iters", "4"]
 
 
-def _torchrun(gpus, argv, tmp_path, name):
+def _torchrun(gpus, argv, tmp_path, name, timeout=900):
     """train.py on `gpus` GPUs -> per-step losses from its metrics file."""
     import json
     import os
     import subprocess
     metrics = str(tmp_path / f"{name}.jsonl")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(["torchrun", f"--nproc_per_node={gpus}", "train.py", *argv, "--metrics-file", metrics],
-                         cwd=root, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={gpus}", "train.py", *argv, "--metrics-file",
+                          metrics], cwd=root, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads(line)["loss"] for line in open(metrics)]
 
@@ -421,8 +421,86 @@ def test_deepep_equals_alltoall_two_gpus(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "deepep_check.py"
     script.write_text(DEEPEP_CHECK)
-    out = subprocess.run(["torchrun", "--nproc_per_node=2", str(script)], cwd=root, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(script)], cwd=root, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     err = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("DEEPEP_ERR "))[11:])
     assert max(err) < 2e-2, err
+
+
+# Hetero layouts over NCCL (docs/parallel.md §9): each trains 3 steps of the mock task (images, and a quarter of the
+# samples text only, so some micro-batches send 0 rows) and its losses equal the same run colocated on one GPU to
+# bf16 rounding (relative 2e-2: tp / ep / cp / the bridge sum in another order, bf16 autocast). A deadlock ends in
+# 4 x 30 s (the watchdog's first-step allowance) instead of hanging the suite.
+HETERO = ["--preset", "tiny", "--global-batch", "8", "--steps", "3", "--lr", "3e-3", "--lr-schedule", "constant",
+          "--collective-timeout", "30"]
+HETERO_TOL = 2e-2
+VTP2_LTP2_EP2 = ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"]
+
+
+def _on(gpus, layout, name):
+    return pytest.param(gpus, layout, id=name, marks=pytest.mark.skipif(torch.cuda.device_count() < gpus,
+                                                                        reason=f"needs {gpus} GPUs"))
+
+
+HETERO_LAYOUTS = [
+    _on(2, ["--vision-tp", "1", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "1"], "v1|l1"),
+    _on(4, VTP2_LTP2_EP2, "vtp2|ltp2-ep2"),
+    _on(4, ["--vision-tp", "1", "--vision-dp", "2", "--lm-tp", "2", "--lm-dp", "1", "--micro-batch", "2"],
+        "fan-in:vdp2|ltp2"),
+    _on(4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2"], "fan-out:vtp2|ldp2"),
+    _on(4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-cp", "2", "--lm-dp", "1"], "vtp2|lcp2"),
+    _on(4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2",
+            "--moe-dispatcher", "deepep"], "vtp2|ldp2-ep2-deepep"),
+]
+
+
+@pytest.fixture(scope="module")
+def colocated_losses(tmp_path_factory):
+    """The hetero runs' reference: the same run colocated on one GPU."""
+    return _torchrun(1, HETERO, tmp_path_factory.mktemp("colocated"), "colocated", timeout=300)
+
+
+def _close(losses, reference):
+    return len(losses) == len(reference) and all(abs(a - b) < HETERO_TOL * b for a, b in zip(losses, reference))
+
+
+@pytest.mark.parametrize("gpus, layout", HETERO_LAYOUTS)
+def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_losses, tmp_path):
+    if "deepep" in layout:
+        pytest.importorskip("deep_ep")
+    losses = _torchrun(gpus, HETERO + layout, tmp_path, "hetero", timeout=300)
+    print(f"hetero {' '.join(layout)}: {losses}; colocated {colocated_losses}")
+    assert _close(losses, colocated_losses), (losses, colocated_losses)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_sigterm_mid_step_hetero_saves_and_the_same_line_resumes(colocated_losses, tmp_path):
+    """vision tp2 | language tp2 ep2 over NCCL: SIGTERM to torchrun during step 2 saves step 1 (the bridge traffic
+    in flight is matched, failsafe.abandon_step); the same line then resumes and trains steps 2 and 3, and the three
+    steps' losses equal the colocated run's."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    from tests.spawn import slow_train
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    save, metrics, marker = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "midstep")
+    line = HETERO + VTP2_LTP2_EP2 + ["--save", save, "--metrics-file", metrics]
+    script = slow_train(str(tmp_path / "slow.py"), marker, line, at=11)   # 8 micro-batches a step: step 2
+    proc = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=4", script], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not os.path.exists(marker + "2") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert f"interrupted by SIGTERM: saved step 1 to {save}" in out, out[-3000:]
+    resumed = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=4", "train.py", *line], cwd=root,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout, resumed.stdout[-3000:]
+    losses = [json.loads(x)["loss"] for x in open(metrics)]
+    print(f"SIGTERM at step 2, resumed: {losses}; colocated {colocated_losses}")
+    assert _close(losses, colocated_losses), (losses, colocated_losses)

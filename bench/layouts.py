@@ -1,0 +1,92 @@
+"""Time train.py in several layouts of one model on this machine's GPUs: the hetero layouts against the chooser's.
+
+  python bench/layouts.py [--only NAME ...] [--steps 20] [--out DIR]
+
+Each configuration runs `torchrun --standalone train.py ... --metrics-file` (with a `timeout`), and
+`train.py ... --dry-run --world-size N --gpu-memory <this GPU's GiB>` for the plan. One JSON line per run: the
+layout line the run printed, the loss of the first and last step, and over the steps after the first two (warm:
+compiled, tuned, the optimizer state made) the median step time, tok/s per GPU and MFU; per rank kind the largest
+measured peak and the plan's. A run that fails or times out gives its last lines instead.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import layout  # noqa: E402
+import train  # noqa: E402
+
+L20 = ["--preset", "20l"]   # 128 experts, seq 8192, one 2048 x 2048 mock image a sample, global batch 8
+VTP2 = ["--vision-tp", "2", "--vision-dp", "1"]
+HETERO = {"hetero-vtp2-ldp2ep2": VTP2 + ["--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2"],
+          "hetero-vtp2-ltp2ep2": VTP2 + ["--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"]}
+CONFIGS = {   # name: (GPUs, train.py arguments); stage 3 runs the hetero layout fastest at stage 2 only
+    **{f"20l-stage2-{k}": (4, L20 + v) for k, v in HETERO.items()},
+    "20l-stage2-chosen": (4, L20),
+    **{f"20l-stage3-{k}": (4, L20 + v + ["--stage", "3"]) for k, v in HETERO.items()},
+    "20l-stage3-chosen": (4, L20 + ["--stage", "3"]),
+}
+
+
+def kinds_of_ranks(argv, world, capacity):
+    lay = layout.plan(train.config_of(argv), world, capacity)
+    return ["both" if lay.colocated else "vision" if r < lay.vision_size else "language" for r in range(world)]
+
+
+def run(name, gpus, argv, steps, out, timeout):
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    dry = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--world-size", str(gpus), "--gpu-memory",
+                          f"{gib:.1f}"], cwd=ROOT, capture_output=True, text=True)
+    plan = json.loads(dry.stdout.strip().splitlines()[-1])["peak_gib_per_rank"] if dry.returncode == 0 else None
+    metrics = os.path.join(out, f"{name}.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    proc = subprocess.run(["timeout", str(timeout), "torchrun", "--standalone", f"--nproc_per_node={gpus}",
+                           "train.py", *argv, "--steps", str(steps), "--metrics-file", metrics], cwd=ROOT,
+                          capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    chosen = next((x for x in lines if x.startswith(("layout:", "hetero layout", "colocated layout"))), None)
+    recs = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    if proc.returncode or len(recs) < steps:
+        return {"name": name, "rc": proc.returncode, "steps": len(recs), "tail": (proc.stdout + proc.stderr)[-2000:]}
+    warm = recs[2:]
+    kinds = kinds_of_ranks(argv, gpus, gib * 2**30)
+    peaks = {}
+    for k, p in zip(kinds, recs[-1]["peak_mem_gib_per_rank"]):
+        peaks[k] = max(peaks.get(k, 0.0), p)
+    return {"name": name, "gpus": gpus, "device": torch.cuda.get_device_name(0), "layout": chosen,
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+            "step_s": statistics.median(r["step_time_s"] for r in warm),
+            "tok_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in warm),
+            "mfu": statistics.median(r["mfu"] or 0.0 for r in warm), "first_step_s": recs[0]["step_time_s"],
+            "peak_gib": peaks, "plan_gib": {k: (plan or {}).get("language" if k == "both" else k) for k in peaks}}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--timeout", type=int, default=240, help="seconds a run may take")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    a = p.parse_args()
+    stage2 = {}
+    for name, (gpus, argv) in CONFIGS.items():
+        if (a.only and name not in a.only) or torch.cuda.device_count() < gpus:
+            continue
+        hetero = next((k for k in HETERO if name.endswith(k)), None)
+        if hetero and "stage3" in name and stage2 and min(stage2, key=stage2.get) != hetero:
+            continue
+        result = run(name, gpus, argv, a.steps, a.out, a.timeout)
+        if hetero and "stage2" in name:
+            stage2[hetero] = result.get("step_s", float("inf"))
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

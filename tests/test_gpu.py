@@ -296,9 +296,14 @@ def test_signal_save_time_20l(tmp_path):
 SMALL = ["--preset", "small", "--global-batch", "2", "--lr", "1e-3", "--seq-len", "512", "--lr-decay-iters", "4"]
 
 
-def _torchrun(gpus, argv, tmp_path, name, timeout=900):
-    """train.py on `gpus` GPUs -> per-step losses from its metrics file."""
+def _losses(metrics):
+    """A metrics file's losses: each step's, and an evaluation's in its place."""
     import json
+    return [r["loss"] if "loss" in r else r["eval_loss"] for r in map(json.loads, open(metrics))]
+
+
+def _torchrun(gpus, argv, tmp_path, name, timeout=900):
+    """train.py on `gpus` GPUs -> the losses of its metrics file."""
     import os
     import subprocess
     metrics = str(tmp_path / f"{name}.jsonl")
@@ -306,7 +311,7 @@ def _torchrun(gpus, argv, tmp_path, name, timeout=900):
     out = subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={gpus}", "train.py", *argv, "--metrics-file",
                           metrics], cwd=root, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in open(metrics)]
+    return _losses(metrics)
 
 
 @cuda
@@ -429,11 +434,11 @@ def test_deepep_equals_alltoall_two_gpus(tmp_path):
 
 
 # Hetero layouts over NCCL (docs/parallel.md §9): each trains 3 steps of the mock task (images, and a quarter of the
-# samples text only, so some micro-batches send 0 rows) and its losses equal the same run colocated on one GPU to
-# bf16 rounding (relative 2e-2: tp / ep / cp / the bridge sum in another order, bf16 autocast). A deadlock ends in
-# 4 x 30 s (the watchdog's first-step allowance) instead of hanging the suite.
+# samples text only, so some micro-batches send 0 rows) and evaluates after the third, and its losses equal the same
+# run colocated on one GPU to bf16 rounding (relative 2e-2: tp / ep / cp / the bridge sum in another order, bf16
+# autocast). A deadlock ends in 4 x 30 s (the watchdog's first-step allowance) instead of hanging the suite.
 HETERO = ["--preset", "tiny", "--global-batch", "8", "--steps", "3", "--lr", "3e-3", "--lr-schedule", "constant",
-          "--collective-timeout", "30"]
+          "--eval-every", "3", "--collective-timeout", "30"]
 HETERO_TOL = 2e-2
 VTP2_LTP2_EP2 = ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"]
 
@@ -478,8 +483,7 @@ def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_los
 def test_sigterm_mid_step_hetero_saves_and_the_same_line_resumes(colocated_losses, tmp_path):
     """vision tp2 | language tp2 ep2 over NCCL: SIGTERM to torchrun during step 2 saves step 1 (the bridge traffic
     in flight is matched, failsafe.abandon_step); the same line then resumes and trains steps 2 and 3, and the three
-    steps' losses equal the colocated run's."""
-    import json
+    steps' losses and the evaluation's equal the colocated run's."""
     import os
     import signal
     import subprocess
@@ -501,6 +505,6 @@ def test_sigterm_mid_step_hetero_saves_and_the_same_line_resumes(colocated_losse
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming" in resumed.stdout, resumed.stdout[-3000:]
-    losses = [json.loads(x)["loss"] for x in open(metrics)]
+    losses = _losses(metrics)
     print(f"SIGTERM at step 2, resumed: {losses}; colocated {colocated_losses}")
     assert _close(losses, colocated_losses), (losses, colocated_losses)

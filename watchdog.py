@@ -158,10 +158,11 @@ class Watchdog:
         if not overdue or self.done.is_set():
             return
         others = {}
-        for r in range(self.world):
-            if r == self.rank or not self.store.check([str(r)]):
-                continue
-            seq, r_overdue, r_where, r_waits = json.loads(self.store.get(str(r)))
+        keys = [str(r) for r in range(self.world) if r != self.rank]
+        if not self.store.check(keys):                 # one read for all once every rank has beaten
+            keys = [k for k in keys if self.store.check([k])]
+        for k, value in zip(keys, self.store.multi_get(keys) if keys else []):
+            r, (seq, r_overdue, r_where, r_waits) = int(k), json.loads(value)
             if self.seen.get(r, (None,))[0] != seq:
                 self.seen[r] = (seq, now)
             alive = now - self.seen[r][1] < 3 * self.beat

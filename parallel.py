@@ -176,18 +176,20 @@ FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp",
          "tp-cp-dp-pp": "whole", "etp-ep": "etp_ep", "etp-ep-pp": "etp_ep_pp"}
 
 
-def setup(lay, cfg=None, timeout=None):
+def setup(lay, cfg=None):
     """Build both grids and create every group of every grid on EVERY rank (new_group is collective over WORLD).
 
     Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, cp, dp, dp-cp, tp-cp,
     tp-dp, whole; language tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp,
     etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be
     singletons). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
-    same lists, so the sequence of new_group calls is still identical everywhere. `timeout`: torch's timeout of
-    every group (watchdog.backstop); each group is named for watchdog's messages.
+    same lists, so the sequence of new_group calls is still identical everywhere. With cfg every group gets torch's
+    timeout watchdog.backstop(cfg.collective_timeout); each group is named for watchdog's messages.
     """
+    timeout = None
     if cfg is not None:
         check_layout(lay, cfg)
+        timeout = watchdog.backstop(cfg.collective_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == lay.world, f"layout is for {lay.world} ranks, WORLD_SIZE is {world}"
     vgrid, lgrid, egrid = vision_grid(lay), lm_grid(lay), expert_grid(lay)

@@ -241,7 +241,7 @@ def setup(cfg, inv, lay, start, device):
                                 **({} if "MASTER_ADDR" in os.environ else  # plain `python train.py`
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
-    par = parallel.setup(lay, cfg, watchdog.backstop(cfg.collective_timeout))
+    par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
     lead = par.lm is not None and par.lm.tp_rank == par.lm.cp_rank == par.lm.dp_rank == 0   # prints the loss
     run = Run(cfg, start, lay, par, device, lead, own_group)

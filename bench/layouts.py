@@ -19,8 +19,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import layout  # noqa: E402
-import train  # noqa: E402
+from memory_check import kinds_of_ranks  # noqa: E402
 
 L20 = ["--preset", "20l"]   # 128 experts, seq 8192, one 2048 x 2048 mock image a sample, global batch 8
 VTP2 = ["--vision-tp", "2", "--vision-dp", "1"]
@@ -32,11 +31,6 @@ CONFIGS = {   # name: (GPUs, train.py arguments); stage 3 runs the hetero layout
     **{f"20l-stage3-{k}": (4, L20 + v + ["--stage", "3"]) for k, v in HETERO.items()},
     "20l-stage3-chosen": (4, L20 + ["--stage", "3"]),
 }
-
-
-def kinds_of_ranks(argv, world, capacity):
-    lay = layout.plan(train.config_of(argv), world, capacity)
-    return ["both" if lay.colocated else "vision" if r < lay.vision_size else "language" for r in range(world)]
 
 
 def run(name, gpus, argv, steps, out, timeout):
@@ -56,7 +50,7 @@ def run(name, gpus, argv, steps, out, timeout):
     if proc.returncode or len(recs) < steps:
         return {"name": name, "rc": proc.returncode, "steps": len(recs), "tail": (proc.stdout + proc.stderr)[-2000:]}
     warm = recs[2:]
-    kinds = kinds_of_ranks(argv, gpus, gib * 2**30)
+    kinds = kinds_of_ranks(argv, gpus)
     peaks = {}
     for k, p in zip(kinds, recs[-1]["peak_mem_gib_per_rank"]):
         peaks[k] = max(peaks.get(k, 0.0), p)

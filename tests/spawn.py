@@ -79,10 +79,12 @@ def run_distributed(fn, world_size, *args, timeout=60.0):
     return [pickle.loads(done[r]) for r in range(world_size)]
 
 
-# train.py as `python train.py` runs it, with the language side's collate slowed down and a marker file (its path
-# + RANK) written when its micro-batch number `at` starts (mid-step): a test then sends its signal.
+# train.py as `python train.py` runs it, each rank writing its pid to MARKER + "pid" + RANK first, with the language
+# side's collate slowed down and MARKER + RANK written when its micro-batch number `at` starts (mid-step): a test
+# then sends its signal.
 SLOW_TRAIN = r"""
 import os, runpy, sys, time
+open({marker!r} + "pid" + os.environ.get("RANK", "0"), "w").write(str(os.getpid()))
 sys.path.insert(0, {root!r})
 import data
 collate, calls = data.collate_text, []

@@ -14,30 +14,20 @@ import torch
 import torch.distributed as dist
 
 import watchdog
-from tests.spawn import run_distributed
+from tests.spawn import run_distributed, slow_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# train.py under torchrun, each rank writing its pid to a file first (so the test can stop one of them)
-WITH_PID = r"""
-import os, runpy, sys
-open({pids!r} + os.environ["RANK"], "w").write(str(os.getpid()))
-sys.path.insert(0, {root!r})
-sys.argv = ["train.py"] + {argv!r}
-runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
-"""
 
 
 def test_stopped_rank_ends_the_run_with_one_line(tmp_path):
     timeout = 5
-    pids = str(tmp_path / "pid.")
+    marker = str(tmp_path / "m")
     argv = ["--preset", "tiny", "--global-batch", "4", "--vision-dp", "1", "--lm-dp", "1", "--steps", "100000",
             "--collective-timeout", str(timeout)]
-    script = tmp_path / "train_pid.py"
-    script.write_text(WITH_PID.format(pids=pids, root=ROOT, argv=argv))
+    script = slow_train(str(tmp_path / "train_pid.py"), marker, argv, at=0)   # each rank's pid in a file
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script)], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                             script], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []   # (time read, line)
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stdout), daemon=True)
@@ -46,7 +36,7 @@ def test_stopped_rank_ends_the_run_with_one_line(tmp_path):
     while not any(x.startswith("step 3/") for _, x in list(lines)):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(x for _, x in lines[-30:])
         time.sleep(0.05)
-    language = int(open(pids + "1").read())
+    language = int(open(marker + "pid1").read())
     t0 = time.monotonic()
     os.kill(language, signal.SIGSTOP)   # the language rank: the vision rank waits for its gradient
     try:
@@ -55,7 +45,7 @@ def test_stopped_rank_ends_the_run_with_one_line(tmp_path):
         errors = [(t, x) for t, x in list(lines) if x.startswith("error:")]
         assert errors, "".join(x for _, x in lines[-30:])
         assert errors[0][0] - t0 < timeout + 10, errors[0][0] - t0   # 3 beats of 0.5 s after the timeout, and slack
-        vision = int(open(pids + "0").read())
+        vision = int(open(marker + "pid0").read())
         while os.path.exists(f"/proc/{vision}") and time.monotonic() < t0 + timeout + 15:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{vision}") or open(f"/proc/{vision}/stat").read().split()[2] == "Z"

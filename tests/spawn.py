@@ -59,8 +59,7 @@ def run_distributed(fn, world_size, *args, timeout=60.0):
                 rank, ok, value = results.get(timeout=min(0.2, deadline - now))
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) and not errors:
-                    errors[-1] = "a child died without reporting (exit codes "
-                    errors[-1] += f"{[p.exitcode for p in procs]})"
+                    errors[-1] = "a child died without reporting"   # the exit codes once all have ended, below
             else:
                 (done if ok else errors)[rank] = value
             if errors:  # the others may now wait forever in a collective: give them a short grace period
@@ -70,6 +69,8 @@ def run_distributed(fn, world_size, *args, timeout=60.0):
             if p.is_alive():
                 p.kill()
                 p.join()
+        if -1 in errors:
+            errors[-1] += f" (exit codes {[p.exitcode for p in procs]})"
     if errors:
         raise RuntimeError("distributed test failed:\n" + "\n".join(
             f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))

@@ -10,6 +10,7 @@ vision fields start with `vit_`. A checkpoint saves the whole Config as its run 
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -305,24 +306,53 @@ def changes(old, new, names=None):
 RANGES = [
     (("steps", "lr_warmup_iters", "lr_warmup_samples", "save_every", "keep_last", "max_skipped_steps", "eval_every",
       "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed", "num_nextn_predict_layers",
-      "video_temporal_patch", "max_frames"), 0,
+      "video_temporal_patch", "max_frames", "class_token_len", "min_num_patches", "max_num_patches"), 0,
      ">= 0"),
     (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
       "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
-      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths", "video_target_patches"), 1, ">= 1"),
+      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths", "video_target_patches", "mock_image_size",
+      "vocab_size", "hidden_size", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
+      "projector_hidden"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
       "mtp_loss_scale", "video_fps"), 0.0, ">= 0"),
     (("collective_timeout",), 1.0, ">= 1 (seconds)"),
 ]
+POSITIVE = ("lora_alpha", "norm_eps", "init_std", "routed_scaling_factor")   # finite and > 0
+# The sizes of one kind of layer (a hybrid_override_pattern character), each >= 1 where the model has such a layer
+# (an HF model without attention may leave the attention sizes at 0): a zero divides by zero, reshapes into nothing
+# or trains a degenerate model
+LAYER_SIZES = {"*": ("num_attention_heads", "num_key_value_heads", "head_dim"),
+               "M": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size"),
+               "E": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "moe_shared_expert_intermediate_size"),
+               "-": ("intermediate_size",)}
+# (the layers, what is split, what splits it into equal parts): attention heads into KV groups, Mamba heads into
+# groups, the tower's width into heads (layers "": always)
+MULTIPLES = (("*", "num_attention_heads", "num_key_value_heads"), ("M", "mamba_num_heads", "n_groups"),
+             ("", "vit_hidden", "vit_heads"))
+
+
+@functools.lru_cache(maxsize=256)   # layout.py's chooser asks for thousands of layouts on a large world (remedy)
+def nearest_divisors(sizes, k, most):
+    """'a or b': the numbers nearest k that divide every one of `sizes`, one below k and one above it up to `most`
+    (where there is one; 1 always divides)."""
+    fits = [next((d for d in range(min(k, most + 1) - 1, 0, -1) if all(n % d == 0 for n in sizes)), None),
+            next((d for d in range(k + 1, most + 1) if all(n % d == 0 for n in sizes)), None)]
+    return " or ".join(str(d) for d in fits if d)
 
 
 def check(cfg):
-    """Every field's constraints, at once: the run's numbers (RANGES, finite, min_lr <= lr, fractions below 1, the
-    --train-layers regex) and the model's shape (layout constraints live in layout.py). One SystemExit line names
-    every offender."""
-    errors = [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number {what}" for names, low, what in RANGES
+    """Every field's constraints, at once: the run's numbers (RANGES, POSITIVE, min_lr <= lr, fractions below 1, the
+    --train-layers and --lora-targets regexes) and the model's shape: every size of its layers (LAYER_SIZES), what
+    must divide what (MULTIPLES), top-k within the experts, the patch budget (layout constraints live in layout.py).
+    One SystemExit line names every offender."""
+    layers = cfg.hybrid_override_pattern + (cfg.mtp_pattern if cfg.num_nextn_predict_layers else "")
+    ranges = RANGES + [(names, 1, ">= 1") for kind, names in LAYER_SIZES.items() if kind in layers]
+    errors = [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number {what}" for names, low, what in ranges
               for k in names if getattr(cfg, k) is not None and not (math.isfinite(getattr(cfg, k)) and
                                                                       getattr(cfg, k) >= low)]
+    errors += [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number > 0" for k in POSITIVE
+               if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) > 0)]
     if cfg.clip_grad < 0 or not math.isfinite(cfg.clip_grad):
         errors.append(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
     if 0 <= cfg.lr < math.inf and 0 <= cfg.min_lr < math.inf and cfg.min_lr > cfg.lr:
@@ -330,30 +360,30 @@ def check(cfg):
     for k in ("eval_frac", "mock_text_only_frac"):
         if getattr(cfg, k) >= 1:
             errors.append(f"--{flag(k)} {getattr(cfg, k)}: must be below 1 (a fraction)")
-    if not cfg.lora_alpha > 0 or not math.isfinite(cfg.lora_alpha):
-        errors.append(f"--lora-alpha {cfg.lora_alpha}: must be a finite number > 0")
-    if cfg.train_layers is not None:   # matching nothing: memory.sizing_model
+    for k in ("train_layers", "lora_targets"):   # matching nothing: memory.sizing_model, lora.apply
         try:
-            re.compile(cfg.train_layers)
+            re.compile(getattr(cfg, k) or "")
         except re.error as e:
-            errors.append(f"--train-layers {cfg.train_layers!r}: not a regular expression ({e})")
+            errors.append(f"--{flag(k)} {getattr(cfg, k)!r}: not a regular expression ({e})")
     for k in ("hybrid_override_pattern", "mtp_pattern"):
         if set(getattr(cfg, k)) - set("M*E-") or not getattr(cfg, k):
             errors.append(f"{k} may only hold M * E -, got {getattr(cfg, k)!r}")
     if cfg.mtp_depths and not cfg.num_nextn_predict_layers:
         errors.append(f"--mtp-depths {cfg.mtp_depths}: the model has no MTP block (num_nextn_predict_layers 0)")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        errors.append("num_attention_heads must be a multiple of num_key_value_heads")
-    if cfg.mamba_num_heads % cfg.n_groups:
-        errors.append("mamba_num_heads must be a multiple of n_groups")
-    if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        errors.append("num_experts_per_tok exceeds n_routed_experts")
-    if cfg.vit_hidden % cfg.vit_heads:
-        errors.append("vit_hidden must be a multiple of vit_heads")
+    for kind, whole, part in MULTIPLES:
+        n, k = getattr(cfg, whole), getattr(cfg, part)
+        if kind in layers and n > 0 and k > 0 and n % k:
+            errors.append(f"{whole} must be a multiple of {part} ({n} and {k}: --{flag(part)} "
+                          f"{nearest_divisors((n,), k, n)} would do)")
+    if "E" in layers and cfg.num_experts_per_tok > cfg.n_routed_experts > 0:
+        errors.append(f"--num-experts-per-tok {cfg.num_experts_per_tok}: must be at most n_routed_experts "
+                      f"{cfg.n_routed_experts} (each token picks that many different experts)")
+    if 0 < cfg.max_num_patches < cfg.min_num_patches:
+        errors.append(f"--max-num-patches {cfg.max_num_patches}: must be 0 (no maximum) or at least --min-num-patches "
+                      f"{cfg.min_num_patches}")
     if cfg.video_temporal_patch == 1:   # transformers tells tubelets from images by their channel count
         errors.append("--video-temporal-patch 1: must be 0 (no video embedder) or at least 2")
     if not 0 <= cfg.image_token_id < cfg.vocab_size:
         errors.append("image_token_id must be a valid token id")
     if errors:
         raise SystemExit("; ".join(errors))
-

@@ -15,8 +15,9 @@ Real data (--data PATH or "0.7:a.jsonl,0.3:b/*.parquet"; files, formats and reco
 Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, the k-th draw of s is document
 perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is the k-th row of a next-fit packing of
 s's permuted document stream. Token lengths come from a one-time index of every file, cached beside it.
-A document longer than seq_len is, by --overlong, an error (a counted skip under --skip-bad-samples), a counted skip,
-or truncated (formats.truncate: never inside an image).
+A document longer than seq_len is, by --overlong, an error (once a file is indexed, one line counts them and names the
+longest; a counted skip under --skip-bad-samples), a counted skip, or truncated (formats.truncate: never inside an
+image). A data file that cannot be read (a directory, gone, corrupt parquet) ends the run with one line naming it.
 """
 import hashlib
 import json
@@ -93,12 +94,16 @@ class HFTokenizer:
             import transformers
         except ImportError:
             raise SystemExit("--tokenizer needs transformers: pip install -e '.[hf]'") from None
-        if os.path.isdir(path):
-            self.tok = transformers.AutoTokenizer.from_pretrained(path)
-        elif os.path.isfile(path):
-            self.tok = transformers.PreTrainedTokenizerFast(tokenizer_file=path)
-        else:
+        if not os.path.exists(path):
             raise SystemExit(f"--tokenizer {path}: no such file or directory")
+        try:
+            self.tok = transformers.AutoTokenizer.from_pretrained(path) if os.path.isdir(path) else \
+                transformers.PreTrainedTokenizerFast(tokenizer_file=path)
+        except Exception as e:   # whatever transformers or tokenizers raise on what is no tokenizer
+            why = "no tokenizer files in it" if os.path.isdir(path) and not any(
+                f.startswith("tokenizer") for f in os.listdir(path)) else " ".join(str(e).split())
+            raise SystemExit(f"--tokenizer {path}: not a tokenizer ({why}). Give an HF tokenizer directory "
+                             "(tokenizer.json, tokenizer_config.json) or a tokenizer.json file") from None
         vocab = self.tok.get_vocab()
         self.special = {t: vocab[t] for t in SPECIALS + ("<image>",) if t in vocab}
         self.template = self.tok.chat_template
@@ -374,14 +379,15 @@ class Encoder:
             else:
                 ids += x
                 mask += train if isinstance(train, list) else [train] * len(x)
-        long = len(ids) > cfg.seq_len
+        n, long = len(ids), len(ids) > cfg.seq_len
         if long and self.overlong != "truncate":
-            raise Overlong(f"{len(ids)} tokens is longer than seq_len {cfg.seq_len} (see --overlong)")
+            raise Overlong(f"{n} tokens is longer than seq_len {cfg.seq_len} (see --overlong)", n)
         if long:
             ids, mask, kept = formats.truncate(ids, mask, runs, cfg.seq_len)
             images = images[:kept]
         if not any(m and t != cfg.image_token_id for t, m in zip(ids[1:], mask[1:])):
-            raise (Overlong if long else Bad)("no tokens to train on" + " in its first seq_len tokens" * long)
+            raise Overlong("no tokens to train on in its first seq_len tokens", n) if long else \
+                Bad("no tokens to train on")
         self.n_truncated += long
         return ids, mask, images if pixels else None
 
@@ -601,11 +607,11 @@ def _identity(x):
 
 
 def _leave_signals_to_the_rank(worker_id):
-    """A DataLoader worker ignores SIGINT and SIGTERM: they reach it too (Ctrl-C signals the terminal's process group,
-    torchrun the rank's), and a worker ended by one would end the rank with an error before its signal save
-    (failsafe.py). The rank ends its workers when it exits."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A DataLoader worker ignores SIGINT, SIGTERM and SIGHUP: they reach it too (Ctrl-C and a closed terminal signal
+    the terminal's process group, torchrun the rank's), and a worker ended by one would end the rank with an error
+    before its signal save (failsafe.py). The rank ends its workers when it exits."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class Loader:

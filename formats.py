@@ -4,7 +4,9 @@ and the one-pass index of every file. data.py turns the records this module hand
 Files: `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or globs; the files of
 one entry share its blend weight in proportion to their document counts. A .json file holding a top-level array is
 read element by element; any other .json / .jsonl is one record per line; .parquet is read with pyarrow (optional:
-pip install -e '.[parquet]'), streamed in record batches, so memory never depends on the dataset's size.
+pip install -e '.[parquet]'), streamed in record batches, so memory never depends on the dataset's size. A file
+that cannot be read (a directory among the files, gone, unreadable, a corrupt parquet) ends the run with one line
+`FILE: cannot read (why)`; read after indexing (it changed since), its records are bad samples (FILE:LINE).
 Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}):
   LLaVA / ShareGPT   {"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
                      {"from": "gpt", "value": "..."}]}: each <image> (and the newline after it) is the next image
@@ -16,6 +18,7 @@ and of images / image that the file has.
 """
 import array
 import base64
+import contextlib
 import functools
 import glob
 import hashlib
@@ -24,6 +27,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -46,7 +50,11 @@ class Bad(Exception):
 
 
 class Overlong(Bad):
-    """A document longer than seq_len: an error, a counted skip or truncated, by --overlong."""
+    """A document longer than seq_len (of `tokens` tokens): an error, a counted skip or truncated, by --overlong."""
+
+    def __init__(self, message, tokens):
+        super().__init__(message)
+        self.tokens = tokens
 
 
 # ---------------------------------------------------------------- files
@@ -99,6 +107,23 @@ def _kind(path):
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
     return "array" if head.startswith(b"[") else "lines"
+
+
+@contextlib.contextmanager
+def _reading(path, bad=False):
+    """Reading data file `path`: an OSError or a pyarrow error (a directory, a missing or unreadable file, a corrupt
+    parquet) ends the run with one line, or with bad=True (a file that changed after indexing) is the record's Bad."""
+    try:
+        yield
+    except Exception as e:
+        pa = sys.modules.get("pyarrow")   # imported if it raised
+        if not (isinstance(e, OSError) or pa is not None and isinstance(e, pa.ArrowException)):
+            raise
+        cause = " ".join(str(getattr(e, "strerror", None) or e).split()).rstrip(".")
+        if bad:
+            raise Bad(f"cannot read the file ({cause})") from None
+        raise SystemExit(f"{path}: cannot read ({cause}). Fix or remove the file, or leave it out of --data / "
+                         "--eval-data") from None
 
 
 def where(path, line, kind):
@@ -195,29 +220,35 @@ def _from_row(row, columns):
 
 def scan(path, kind, columns):
     """-> iterator of (key, line, record()): key finds the record again (read), line (parquet: row) names it in
-    messages; record() returns it in data.py's form or raises Bad."""
-    if kind == "parquet":
-        batches = _parquet(path, os.getpid())[0].iter_batches(256, columns=[c for c in columns if c])
-        row = 0
-        for batch in batches:                        # streamed: memory never depends on the file's size
-            for r in batch.to_pylist():
-                yield row, row, functools.partial(_from_row, r, columns)
-                row += 1
-        return
-    with open(path, "rb") as f:
-        if kind == "array":
-            for offset, line, raw in _array_scan(f, path):
-                yield offset, line, functools.partial(_parse, raw)
+    messages; record() returns it in data.py's form or raises Bad. A file that cannot be read: SystemExit."""
+    with _reading(path):
+        if kind == "parquet":
+            batches = _parquet(path, os.getpid())[0].iter_batches(256, columns=[c for c in columns if c])
+            row = 0
+            for batch in batches:                    # streamed: memory never depends on the file's size
+                for r in batch.to_pylist():
+                    yield row, row, functools.partial(_from_row, r, columns)
+                    row += 1
             return
-        offset = 0
-        for line, raw in enumerate(f, 1):
-            if raw.strip():
-                yield offset, line, functools.partial(_parse, raw)
-            offset += len(raw)
+        with open(path, "rb") as f:
+            if kind == "array":
+                for offset, line, raw in _array_scan(f, path):
+                    yield offset, line, functools.partial(_parse, raw)
+                return
+            offset = 0
+            for line, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield offset, line, functools.partial(_parse, raw)
+                offset += len(raw)
 
 
 def read(path, idx, d):
     """Record d of an index of `path` (raises Bad)."""
+    with _reading(path, bad=True):
+        return _read(path, idx, d)
+
+
+def _read(path, idx, d):
     key, kind = int(idx["offsets"][d]), str(idx["kind"])
     if kind == "parquet":
         pid, cols = os.getpid(), tuple(str(c) for c in idx["columns"])
@@ -337,7 +368,8 @@ def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
     Cached beside the file, keyed by its size, mtime and everything that changes lengths or validity. Among the
     ranks of a node, local rank 0 indexes and writes the cache, the others wait for it (_Shared); where the
     directory is read-only every rank indexes for itself."""
-    st = os.stat(path)
+    with _reading(path):
+        st = os.stat(path)
     key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
                                      skip_bad, sorted((columns or {}).items())]).encode()).hexdigest()[:16]
     cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
@@ -416,19 +448,42 @@ class _Shared:
 
 
 def _index(path, encoder, columns, skip_bad, progress):
-    base, kind = os.path.dirname(os.path.abspath(path)), _kind(path)
-    cols = _resolve_columns(path, columns) if kind == "parquet" else ()
+    """The index of one file (index_file). A bad record ends it (BadSample), over-long documents under --overlong
+    error end it once all are counted."""
+    base = os.path.dirname(os.path.abspath(path))
+    with _reading(path):
+        kind = _kind(path)
+        cols = _resolve_columns(path, columns) if kind == "parquet" else ()
     rows, bad, overlong, truncated = array.array("q"), [], [], encoder.n_truncated
+    too_long = []                                    # (tokens, line) of each over-long document under --overlong error
     for key, line, record in tqdm(scan(path, kind, cols), f"indexing {path}", unit=" records", disable=not progress):
         try:
             ids, _, _ = encoder.encode(record(), base, pixels=False, verify=True)
             rows.extend((key, line, len(ids)))
         except Bad as e:
             skip_long = isinstance(e, Overlong) and encoder.overlong != "error"
-            if not (skip_bad or skip_long):
+            if skip_bad or skip_long:
+                (overlong if skip_long else bad).append(f"{where(path, line, kind)}: {e}")
+            elif isinstance(e, Overlong):
+                too_long.append((e.tokens, line))
+            else:
                 raise BadSample(f"{where(path, line, kind)}: {e}") from None
-            (overlong if skip_long else bad).append(f"{where(path, line, kind)}: {e}")
+    if too_long:
+        raise SystemExit(_overlong_message(path, kind, too_long, encoder.cfg.seq_len))
     a = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
     return dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], bad=np.array(bad, dtype=str), kind=np.array(kind),
                 overlong=np.array(overlong, dtype=str), truncated=np.array(encoder.n_truncated - truncated),
                 columns=np.array(cols, dtype=str))
+
+
+def _overlong_message(path, kind, too_long, seq_len):
+    """The line that ends a run on over-long documents [(tokens, line)] under --overlong error: the count, the
+    longest and the first."""
+    fix = "Raise --seq-len, or pass --overlong truncate|skip"
+    (tokens, line), word = too_long[0], "row" if kind == "parquet" else "line"
+    if len(too_long) == 1:
+        return f"{where(path, line, kind)}: a document of {tokens} tokens is longer than seq_len {seq_len}. {fix}"
+    most, at = max(too_long, key=lambda t: t[0])
+    longest = f"the first and longest, {word} {at}, {most} tokens" if at == line else \
+        f"the longest, {word} {at}, {most} tokens; first at {word} {line}"
+    return f"{path}: {len(too_long)} documents are longer than seq_len {seq_len} ({longest}). {fix}"

@@ -136,21 +136,26 @@ def check_layout(lay, cfg):
         errors.append(f"micro_batch x seq_len / lm_cp = {tokens} tokens per rank are not divisible by lm_tp "
                       f"{lay.lm_tp} (MoE layers route 1 / tp of them on each tp rank)")
     # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
-    for name in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "vocab_size",
-                 "intermediate_size", "moe_shared_expert_intermediate_size"):
-        if getattr(cfg, name) % lay.lm_tp:
-            errors.append(f"lm_tp {lay.lm_tp} does not divide {name} {getattr(cfg, name)}")
-    for name in ("vit_heads", "vit_mlp"):
-        if getattr(cfg, name) % lay.vision_tp:
-            errors.append(f"vision_tp {lay.vision_tp} does not divide {name} {getattr(cfg, name)}")
+    for kind, split in (("lm_tp", ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups",
+                                   "vocab_size", "intermediate_size", "moe_shared_expert_intermediate_size")),
+                        ("vision_tp", ("vit_heads", "vit_mlp"))):
+        tp = getattr(lay, kind)
+        bad = [name for name in split if getattr(cfg, name) % tp]
+        for name in bad:
+            errors.append(f"{kind} {tp} does not divide {name} {getattr(cfg, name)}" + (
+                f" (--vocab-size {-(-cfg.vocab_size // tp) * tp} would pad it)" if name == "vocab_size" else ""))
+        if bad:
+            fits = config.nearest_divisors(tuple(getattr(cfg, name) for name in split), tp, lay.world)
+            errors.append(f"--{config.flag(kind)} {fits} would divide every size it splits")
     etp_ep_pp = lay.lm_etp * lay.lm_ep * lay.lm_pp
     if lay.lm_size % etp_ep_pp:
         errors.append(f"{lm} is not divisible by etp{lay.lm_etp} x ep{lay.lm_ep} x pp{lay.lm_pp} = {etp_ep_pp}, "
                       "so the expert data-parallel size is not whole")
-    if cfg.n_routed_experts % lay.lm_ep:
-        errors.append(f"lm_ep {lay.lm_ep} does not divide n_routed_experts {cfg.n_routed_experts}")
-    if cfg.moe_intermediate_size % lay.lm_etp:
-        errors.append(f"lm_etp {lay.lm_etp} does not divide moe_intermediate_size {cfg.moe_intermediate_size}")
+    for kind, name in (("lm_ep", "n_routed_experts"), ("lm_etp", "moe_intermediate_size")):
+        size, n = getattr(lay, kind), getattr(cfg, name)
+        if n % size:
+            errors.append(f"{kind} {size} does not divide {name} {n} (--{config.flag(kind)} "
+                          f"{config.nearest_divisors((n,), size, lay.world)} would)")
     vdp, ldp = lay.vision_dp, lay.lm_dp
     if max(vdp, ldp) % min(vdp, ldp):
         errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")

@@ -118,33 +118,45 @@ class WandB:
         self.wandb.finish()
 
 
-def _open_sinks(wanted, cfg, on):
+def _open_outputs(wanted, cfg, on):
+    """(the sinks `wanted`, the --metrics-file opened or None): on the logging rank (on), the packages looked for on
+    every rank. Each that cannot start: one line."""
     missing = next((s.name for s in wanted if importlib.util.find_spec(s.name) is None), None)
     if missing:
         raise SystemExit(f"--{missing} needs the {missing} package: pip install -e '.[{missing}]'")
+    if not on:
+        return [], None
+    try:
+        metrics = open(cfg.metrics_file, "a") if cfg.metrics_file else None
+    except OSError as e:   # a directory, a missing or read-only directory
+        raise SystemExit(f"--metrics-file {cfg.metrics_file}: cannot write ({e.strerror or e}). Name a file in an "
+                         "existing, writable directory") from None
     sinks = []
-    for sink in wanted if on else ():
+    for sink in wanted:
         try:
             sinks.append(sink(cfg))
         except Exception as e:  # W&B not logged in or without a network, an unwritable directory
+            if metrics:
+                metrics.close()
             raise SystemExit(f"--{sink.name} could not start ({' '.join(str(e).split()).rstrip('.')}). "
                              f"{sink.hint}") from None
-    return sinks
+    return sinks, metrics
 
 
 class Log:
     """Console, metrics file, TensorBoard and W&B of the logging rank; every method is a no-op on the others."""
 
     def __init__(self, cfg, on, first_step):
-        # A sink that cannot start is a user error that every rank raises alike (were it the logging rank's alone, the
-        # others would wait in the next collective): each rank looks for the packages before anything is imported,
-        # the logging rank opens the sinks, and comm.on_every_rank shares what failed (only when a sink is asked for)
+        # A sink or metrics file that cannot start is a user error that every rank raises alike (were it the logging
+        # rank's alone, the others would wait in the next collective): each rank looks for the packages before
+        # anything is imported, the logging rank opens the sinks and the file, and comm.on_every_rank shares what
+        # failed (only when one is asked for)
         wanted = [sink for sink in (TensorBoard, WandB) if getattr(cfg, sink.name)]
-        self.sinks = comm.on_every_rank(_open_sinks, wanted, cfg, on) if wanted else []
+        self.sinks, self.metrics = comm.on_every_rank(_open_outputs, wanted, cfg, on) \
+            if wanted or cfg.metrics_file else ([], None)
         self.on, self.t0, self.first = on, time.perf_counter(), first_step
         self.bar = tqdm(total=cfg.steps, initial=first_step, unit="step",
                         disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
-        self.metrics = open(cfg.metrics_file, "a") if cfg.metrics_file and on else None
         self.last = {}
 
     def say(self, msg):
@@ -196,7 +208,7 @@ class Log:
         self.last["eval_loss"] = result["eval_loss"]
         self.say(f"eval step {step}: loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f} | "
                  f"{result['eval_tokens']} tokens of {result['eval_samples']} samples")
-        if self.metrics and self.on:
+        if self.metrics:
             self.metrics.write(json_line({"step": step, **result}))
             self.metrics.flush()
         self.scalars({name: result[key] for name, key in EVAL_SCALARS.items()}, step)

@@ -3,7 +3,7 @@
 Targets (regex over full names, default TARGETS): attention q/k/v/o, Mamba in/out projections, the dense and
 shared-expert MLPs, LatentMoE's latent projections, and the routed experts, one adapter pair per expert, applied
 inside the grouped GEMM (moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is
-frozen.
+frozen. A pattern that matches no layer of the whole model is refused, naming the layers there are.
 
 Sharding follows the frozen weight, so any tp / ep layout computes the one-device function:
   column-parallel W (rows over tp):  B's rows shard like W's; A sees the whole input and is replicated, its
@@ -41,20 +41,30 @@ def apply(modules, cfg, par=None):
         raise SystemExit("error: LoRA on routed experts needs --lm-etp 1 and the alltoall dispatcher. Drop "
                          "--lm-etp / --moe-dispatcher deepep.")
     targets, r, scale = re.compile(cfg.lora_targets or TARGETS), cfg.lora_rank, cfg.lora_alpha / cfg.lora_rank
+    layers = {}   # the names that take adapters, a layer index as N: {all but the last part: {last parts}}
     for key, module in modules.items():
         for p in module.parameters():
             p.requires_grad_(False)
         for name, sub in list(module.named_modules()):
-            full = f"{key}.{name}"
+            full = f"{key}.{name}" + ".up_proj" * isinstance(sub, moe.Experts)
+            if isinstance(sub, (nn.Linear, moe.Experts)):
+                head, _, last = re.sub(r"\.\d+\.", ".N.", full).rpartition(".")
+                layers.setdefault(head, {})[last] = None
             if isinstance(sub, nn.Linear) and targets.search(full):
                 _attach_linear(sub, r, scale)
-            elif isinstance(sub, moe.Experts) and targets.search(full + ".up_proj"):
+            elif isinstance(sub, moe.Experts) and targets.search(full):
                 E, Fl, D = sub.up_proj.shape
                 for proj, (n_in, n_out) in (("up", (D, Fl)), ("down", (Fl, D))):
                     a, b = nn.Parameter(torch.empty(E, r, n_in)), nn.Parameter(torch.zeros(E, n_out, r))
                     setattr(sub, f"lora_{proj}_A", comm.mark_shard(a, ("ep", 0, None)))
                     setattr(sub, f"lora_{proj}_B", comm.mark_shard(b, ("ep", 0, None)))
                 sub.lora_scale = scale
+    # judged on the whole model (memory.sizing_model's, which every rank builds first): a hetero rank holds a part
+    if set(modules) == {"vision", "language"} and not any(p.requires_grad for m in modules.values()
+                                                          for p in m.parameters()):
+        raise SystemExit(f"--lora-targets {targets.pattern!r} matches no layer, so no adapter would train. The layers: "
+                         + ", ".join(f"{head}.{next(iter(last))}" if len(last) == 1 else f"{head}.{{{','.join(last)}}}"
+                                     for head, last in layers.items()))
 
 
 def rule(name):

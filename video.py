@@ -57,7 +57,12 @@ def probe(src):
             n = round(secs * fps)
         if not n:
             raise Bad(f"video {_name(src)}: its header gives no frame count")
-        return int(n), fps, (st.codec_context.height, st.codec_context.width)
+        if st.codec_context is None:
+            raise Bad(f"undecodable video {_name(src)}: FFmpeg has no decoder for its codec")
+        size = st.codec_context.height, st.codec_context.width
+        if not all(size):   # the canvas keeps its aspect
+            raise Bad(f"video {_name(src)}: its header gives no frame size")
+        return int(n), fps, size
 
 
 def sample_indices(n, fps, want_fps, max_frames):

@@ -225,7 +225,6 @@ BAD = {
     "undecodable image": {"messages": [{"role": "user", "content": [{"type": "image", "image": "junk.png"}]},
                                        {"role": "assistant", "content": "a"}]},
     "empty assistant turn": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]},
-    "longer than seq_len": {"text": "y" * 200},
 }
 
 

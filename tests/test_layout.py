@@ -154,3 +154,21 @@ def test_without_capacity_unchanged():
     assert dims(layout.plan(config.resolve("tiny"), 2)) == (True, 1, 2, 1, 2, 1, 1, 1)
     with pytest.raises(SystemExit, match="global_batch 8 is not divisible"):   # nothing valid: the same error
         layout.plan(config.resolve("tiny"), 3, H100)
+
+
+def test_sizes_that_do_not_divide_name_what_would():
+    """tp, ep and etp that do not divide what they split: the nearest sizes that would, the vocabulary's padding."""
+    cfg = dataclasses.replace(config.resolve("tiny"), vocab_size=339)
+    lay = layout.Layout(world=4, colocated=True, vision_tp=3, vision_dp=1, lm_tp=2, lm_dp=2, lm_ep=3, lm_etp=3,
+                        global_batch=2)
+    with pytest.raises(SystemExit) as e:
+        layout.check_layout(lay, cfg)
+    msg = str(e.value)
+    for part in ("lm_tp 2 does not divide vocab_size 339 (--vocab-size 340 would pad it); --lm-tp 1 would divide "
+                 "every size it splits",
+                 "vision_tp 3 does not divide vit_heads 4; vision_tp 3 does not divide vit_mlp 64; --vision-tp 2 or 4 "
+                 "would divide every size it splits",
+                 "lm_ep 3 does not divide n_routed_experts 8 (--lm-ep 2 or 4 would)",
+                 "lm_etp 3 does not divide moe_intermediate_size 32 (--lm-etp 2 or 4 would)"):
+        assert part in msg, msg
+    assert "\n" not in msg

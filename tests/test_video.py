@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import checkpoint
 import config
 import data
+import formats
 import hf_interop
 import memory
 import model
@@ -76,6 +77,7 @@ def video_processor(target=16):
 
 # ---------------------------------------------------------------- the model == transformers
 
+@pytest.mark.slow
 def test_video_forward_equals_transformers(omni, tmp_path):
     """One batch of three samples through our tower and LM: a video (3 frames: 2 tubelets, the second padded with
     the last frame), an image, text only; each row's logits == transformers on that sample alone (its forward
@@ -331,6 +333,30 @@ def test_bad_videos(tmp_path, capsys, monkeypatch):
         data.Encoder(tok, no_embedder).encode(lines[0], str(tmp_path), pixels=False)
 
 
+def test_video_without_a_frame_size(tmp_path, capsys):
+    """A real file whose header counts its frames but gives no frame size (its sample entry says 0 x 0 and its frames
+    are no PNGs, so probing cannot decode one to learn it; the canvas divided by zero): FILE:LINE at indexing, a
+    counted skip with --skip-bad-samples. A codec FFmpeg does not know: a Bad line too."""
+    raw = bytearray(open(write_video(tmp_path / "ok.mov", frames_of(4, 32, 32, 8)), "rb").read())
+    entry = raw.find(b"stsd") + 12                  # the box's type, version and flags, entry count: its sample entry
+    raw[entry + 32:entry + 36] = bytes(4)           # whose width and height follow 32 bytes of other fields
+    (tmp_path / "nosize.mov").write_bytes(bytes(raw).replace(b"\x89PNG", b"\0PNG"))
+    assert video.probe(str(tmp_path / "ok.mov"))[2] == (32, 32)
+    raw[entry + 4:entry + 8] = b"xxxx"              # its codec: one FFmpeg does not know (it had no codec context)
+    (tmp_path / "nocodec.mov").write_bytes(raw)
+    with pytest.raises(formats.Bad, match="^undecodable video .*nocodec.mov: FFmpeg has no decoder for its codec$"):
+        video.probe(str(tmp_path / "nocodec.mov"))
+    path = _jsonl(tmp_path / "v.jsonl", [_chat({"type": "video", "video": n}, a) for n, a in (("ok.mov", "aa"),
+                                                                                              ("nosize.mov", "bb"))])
+    cfg = config.resolve("tiny", {"video_temporal_patch": "2", "video_target_patches": "16", "data": path,
+                                  "seq_len": "256"})
+    tok = data.load_tokenizer(None, cfg)
+    with pytest.raises(data.BadSample, match=f"^{path}:2: video .*nosize.mov: its header gives no frame size$"):
+        data.build(cfg, tok)
+    ds, _ = data.build(dataclasses.replace(cfg, skip_bad_samples=True), tok)
+    assert f"{path}: 1 documents, skipped 1 bad line(s)" in capsys.readouterr().out
+
+
 def test_video_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
     """Hetero on 2 ranks (vision 0, language 1): a video broken after indexing fails where it is read, and the step
     blanks that sample on both ranks, reported with its file:line, as a damaged image is (failsafe.SkipBad)."""
@@ -378,6 +404,7 @@ def _train(rank, world, argv):
         {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_hetero_training_with_videos_equals_one_process_and_resumes_exactly(tmp_path):
     """--stage 3 (the tower and its video embedder train) on video data: hetero (vision dp2 on ranks 0-1,
     language dp2 on 2-3) == one process; a run stopped after 2 steps and resumed == the straight run, bit for

@@ -2,6 +2,7 @@
 training (sharded) and by the offline tools (full tensors: save_model; hf_interop.py's import-hf).
 
   DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
+  DIR/.lock              while a run saves here: its flock and a line naming it (hold); removed when it ends
   DIR/step_00000006/
     model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
                          and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts. Full
@@ -19,15 +20,23 @@ training (sharded) and by the offline tools (full tensors: save_model; hf_intero
 Loading assembles a tensor from the saved slices (comm.unshard; the saving layout is in meta.json) and keeps this
 rank's slice (comm.shard): any layout loads any other, and with an unchanged layout a rank reads only its own files.
 Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
+A run resumes from the newest complete step (`newest`; `latest` lags it only when a save was killed between its
+meta.json and `latest`). No command deletes a complete step: a save replaces only an interrupted save's leftover of
+its own step, resume.py refuses a line that would save over later steps, and one run at a time holds a save
+directory (`hold`).
 HF NemotronH export and import: hf_interop.py.
 """
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import socket
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -42,6 +51,7 @@ import model
 import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
+LOCK_NAME, STEP = ".lock", re.compile(r"step_\d{8}")
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "vision." / "language." + module key
@@ -112,6 +122,91 @@ def read_json(path, fix):
 def _read_latest(root):
     path = os.path.join(root, "latest")
     return open(path).read().strip() if os.path.exists(path) else None
+
+
+def is_checkpoint(path):
+    """A step directory (holds meta.json) or a save directory (holds `latest` naming a step, or a step directory)."""
+    try:
+        return complete(path) or STEP.fullmatch(_read_latest(path) or "") is not None or \
+            any(STEP.fullmatch(d) for d in os.listdir(path))
+    except OSError:   # not a directory, not readable
+        return False
+
+
+def enclosing(path):
+    """The checkpoint directory (is_checkpoint) that `path` is or lies in (its real path), or None."""
+    path = os.path.realpath(path)
+    while not is_checkpoint(path):
+        if os.path.dirname(path) == path:
+            return None
+        path = os.path.dirname(path)
+    return path
+
+
+# ---------------------------------------------------------------- one run per save directory
+
+class Hold:
+    """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
+    however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
+    refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
+    finds it unlinked and takes a new one)."""
+
+    def __init__(self, path, fd):
+        self.path, self.fd = path, fd
+
+    def release(self):
+        if self.fd is None:   # released already
+            return
+        if _same_file(self.fd, self.path):
+            os.remove(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def hold(root, command):
+    """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
+    it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
+    naming that holder."""
+    path = os.path.join(root, LOCK_NAME)
+    try:
+        os.makedirs(root, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):   # e.g. Lustre mounted without flock
+                    print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
+                          "would not be refused", flush=True)
+                    break
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    raise
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "its holder is starting"
+                os.close(fd)
+                raise SystemExit(f"--save {root} is in use by another run ({holder}). Wait for it to end, or "
+                                 "choose another --save") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)   # released by its holder after we opened it: take the file that is there now
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
+        return Hold(path, fd)
+    except OSError as e:
+        raise SystemExit(_unwritable(root, 0, e)) from None
+
+
+def _same_file(fd, path):
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _unwritable(root, rank, e):
+    return f"--save {root}: rank {rank} cannot write there ({type(e).__name__}: {e.strerror or e}); give a " \
+           "writable directory (every rank writes into it)"
 
 
 # ---------------------------------------------------------------- save
@@ -207,8 +302,7 @@ class Saver:
                 f.write("ok")
             os.remove(probe)
         except OSError as e:
-            raise SystemExit(f"--save {self.root}: rank {self.rank} cannot write there ({type(e).__name__}: "
-                             f"{e.strerror or e}); give a writable directory (every rank writes into it)") from None
+            raise SystemExit(_unwritable(self.root, self.rank, e)) from None
 
     def after_step(self, step, counters, last):
         if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:
@@ -226,15 +320,9 @@ class Saver:
         name, lay, lm, world = f"step_{step:08d}", self.par.layout, self.par.lm, dist.get_world_size()
         step_dir = os.path.join(self.root, name)
         result = {}
-        if self.rank == 0:   # a leftover of an interrupted or abandoned run is replaced
-            try:
-                if _read_latest(self.root) == name:
-                    os.remove(os.path.join(self.root, "latest"))
-                shutil.rmtree(step_dir, ignore_errors=True)
-                os.makedirs(step_dir)
-            except OSError as e:   # reported on every rank by close(), like a failed write
-                result["error"] = f"rank 0: {type(e).__name__}: {e}"
-        dist.barrier()
+        error = comm.on_every_rank(self._make_step_dir, step_dir)
+        if error:   # reported on every rank by close(), like a failed write
+            result["error"] = error
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
         rank_state, lanes = {"rank": self.rank, "rng": _rng_json(rng_state()), "data": data_state}, [None] * world
@@ -263,6 +351,24 @@ class Saver:
         else:
             thread.start()
 
+    def _make_step_dir(self, step_dir):
+        """Rank 0: an interrupted save's leftover of this step is replaced; a complete step never is (resume.py
+        refuses lines that would save over one: only another run on this --save could have written it)."""
+        if self.rank != 0:
+            return None
+        if complete(step_dir):
+            raise SystemExit(f"{step_dir} is a complete checkpoint that this run would replace (is another run "
+                             f"saving into {self.root}?). It is kept: choose another --save, or --load {self.root} to "
+                             "continue from it")
+        try:
+            if _read_latest(self.root) == os.path.basename(step_dir):
+                os.remove(os.path.join(self.root, "latest"))
+            shutil.rmtree(step_dir, ignore_errors=True)
+            os.makedirs(step_dir)
+        except OSError as e:
+            return f"rank 0: {type(e).__name__}: {e}"
+        return None
+
     def close(self):
         """Wait for the save in flight (if any), then commit it: meta.json, `latest`, pruning."""
         if self.pending is None:
@@ -289,7 +395,7 @@ class Saver:
             write_atomic(os.path.join(step_dir, META_NAME), meta)
             write_atomic(os.path.join(self.root, "latest"), os.path.basename(step_dir) + "\n")
             if self.cfg.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
-                older = sorted(d for d in os.listdir(self.root) if re.fullmatch(r"step_\d{8}", d)
+                older = sorted(d for d in os.listdir(self.root) if STEP.fullmatch(d)
                                and d <= os.path.basename(step_dir))
                 for d in older[:-self.cfg.keep_last]:
                     shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
@@ -320,16 +426,23 @@ def complete(step_dir):
     return os.path.exists(os.path.join(step_dir, META_NAME))
 
 
+def complete_steps(root):
+    """The names of the complete step directories of save directory `root`, oldest first."""
+    return sorted(d for d in os.listdir(root) if STEP.fullmatch(d) and complete(os.path.join(root, d))) \
+        if os.path.isdir(root) else []
+
+
 def newest(root):
-    """(the newest complete step directory of save directory `root`, or None; a note when it is not `latest`)."""
-    latest = _read_latest(root) if os.path.isdir(root) else None
-    if latest and complete(os.path.join(root, latest)):
-        return os.path.join(root, latest), None
-    steps = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d{8}", d)
-                   and complete(os.path.join(root, d))) if os.path.isdir(root) else []
+    """(the newest complete step directory of save directory `root`, or None; a note when it is not `latest`).
+    `latest` can lag (a save killed after its meta.json), never lead: the newest complete step is the run's."""
+    steps = complete_steps(root)
     if not steps:
         return None, None
-    why = f"`latest` names {latest}, not a complete checkpoint" if latest else "no `latest`"
+    latest = _read_latest(root)
+    if latest == steps[-1]:
+        return os.path.join(root, latest), None
+    why = f"`latest` names {latest}" + ("" if complete(os.path.join(root, latest)) else ", not a complete "
+                                        "checkpoint") if latest else "no `latest`"
     return os.path.join(root, steps[-1]), f"{why}: the newest complete step is {steps[-1]}, loading it"
 
 

@@ -1,18 +1,28 @@
 """A run loses nothing and says what went wrong: signals, closed pipes, samples that fail at load time, non-finite
-steps (requeue: resume.py; argument checks: config.check).
+steps, ranks that lost a peer (requeue: resume.py; argument checks: config.check).
 
-Signals: SIGINT / SIGTERM only set a flag (the first one counts; later ones cannot cut the save short). Every rank calls Stop() at the same micro-batch boundaries (a one-int
-all-reduce on a gloo group, so no GPU sync); once any rank was signalled, all abandon the step in progress
-(abandon_step: the bridge traffic in flight is matched, gradients, expert counts, RNG and data position go back
-to the step's start), save the last completed step synchronously and exit with 128 + signal.
-Pairing of the checks in a hetero step (1F1B, bridge.py): a vision-only rank checks after its micro-batch k (rows
-of k sent, backward of k-1 done), a language rank before its micro-batch k (gradient of k-1 sent), so neither
-waits on a bridge message the other will only send after the check. Stopping there, the language side receives
-the rows of k and returns a zero gradient; the vision side runs the backward of what it has in flight.
+Signals: SIGINT / SIGTERM / SIGHUP only set a flag once training or an evaluation runs (the first one counts; later
+ones cannot cut the save short); before that (set-up), train.cli installs `interrupt`, which ends the process with
+one line. Every rank calls Stop() at the same micro-batch boundaries (a one-int all-reduce on a gloo group, so no
+GPU sync); once any rank was signalled, all abandon the step in progress (abandon_step: the bridge traffic in flight
+is matched, gradients, expert counts, RNG and data position go back to the step's start) or the evaluation in
+progress (nothing to undo: it is not scored), save the last completed step synchronously and exit with 128 + signal.
+Pairing of the checks with the bridge (docs/parallel.md §9: a rank may block only in an operation every rank it
+waits for reaches next without first waiting on it):
+- a training step (1F1B, bridge.py): a vision-only rank checks after its micro-batch k (rows of k sent, backward of
+  k-1 done), a language rank before its micro-batch k (gradient of k-1 sent), so neither waits on a bridge message
+  the other will only send after the check. Stopping there, the language side receives the rows of k and returns
+  a zero gradient; the vision side runs the backward of what it has in flight.
+- an evaluation (forward only: nothing comes back to the vision side): every rank checks before its micro-batch
+  k. Up to check k a language rank waits only for the rows of micro-batches before k, which the vision side posts
+  before its check k; a vision rank waits on nobody, or (a device sync over NCCL) for the language side to post
+  the receives of those rows, which it does before its check k. Stopping there leaves nothing in flight (every
+  micro-batch ends with bridge.release()).
 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
 import os
+import re
 import signal
 import sys
 
@@ -24,7 +34,9 @@ import data
 import moe
 import watchdog
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # a scheduler, Ctrl-C, a closed terminal / torchrun
 interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
+taken = 0         # the first of SIGNALS this process took since its Stop was made (0: none; read by train.cli)
 
 
 # ---------------------------------------------------------------- streams
@@ -66,29 +78,44 @@ def guard_streams():
 
 # ---------------------------------------------------------------- signals
 
+class Interrupted(KeyboardInterrupt):
+    """A signal before training (or --eval-only's evaluation) starts: nothing to save, the process ends (cli)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+def interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
 class Stop:
-    """SIGINT / SIGTERM -> a flag; calling the object is the collective that agrees on it (see the docstring)."""
+    """SIGNALS -> a flag; calling the object is the collective that agrees on it (see the docstring)."""
 
     def __init__(self, device, timeout=None):
-        self.signum = self.agreed = 0
+        global taken
+        taken = self.agreed = 0
         self.group = None   # CPU: the default group is gloo
         if device.type == "cuda":
             self.group = dist.new_group(backend="gloo", timeout=timeout)
             watchdog.name(self.group, "world (gloo: the signal check)")
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.signum = self.signum or signum
+        for sig in SIGNALS:
+            signal.signal(sig, _take)
 
     def __call__(self):
         """True on every rank once any rank got a signal (then .agreed is the largest signal number seen)."""
         global interrupted
-        flag = torch.tensor([self.signum])
+        flag = torch.tensor([taken])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.agreed = int(flag.item())
         interrupted = self.agreed
         return bool(self.agreed)
+
+
+def _take(signum, frame):
+    global taken
+    taken = taken or signum
 
 
 def abandon_step(bridge, modules, opt, loader, base, rng):
@@ -108,17 +135,29 @@ def abandon_step(bridge, modules, opt, loader, base, rng):
     loader.next = base   # Loader.state_dict() reports the step's first sample as the next one
 
 
-def stop_message(signum, step, save, saved):
+def stop_message(signum, step, save, saved, evaluating=False):
+    """The line a stopped run ends with; `evaluating`: the signal stopped the evaluation after `step`."""
     name = signal.Signals(signum).name
+    during = f" during the evaluation after step {step} (not scored)" if evaluating else ""
     if save is None:
-        return f"interrupted by {name} after step {step}: no --save, nothing saved"
+        return f"interrupted by {name}{during or f' after step {step}'}: no --save, nothing saved"
     if not saved:
-        return f"interrupted by {name} before a step completed: {save} keeps step {step}"
-    return f"interrupted by {name}: saved step {step} to {save}"
+        return f"interrupted by {name} before a step completed: " + (f"{save} keeps step {step}" if step else
+                                                                      "nothing saved")
+    return f"interrupted by {name}{during}: saved step {step} to {save}"
 
 
 def exit_status():
     return 128 + interrupted if interrupted else 0
+
+
+def peer_gone(error, rank):
+    """The line for a collective that failed because another rank's process ended first (gloo: its connection
+    closed), else None. That rank's own output says why; train.cli lets rank 0 alone print it."""
+    found = re.search(r"Connection (closed|reset) by peer|Broken pipe", str(error))
+    if not isinstance(error, RuntimeError) or found is None:
+        return None
+    return f"rank {rank}: another rank ended while this one waited on it ({found.group(0)}). Its output says why"
 
 
 # ---------------------------------------------------------------- samples that fail at load time

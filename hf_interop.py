@@ -6,17 +6,23 @@
 LM names are the original ones (docs/decoder.md §3), equal to ours except that HF stores routed experts one tensor per
 expert (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj`).
 Config fields HF does not carry (seq_len, image token budget, layout, ...) come from a preset.
-CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only]
+CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only] [--overwrite]
       python hf_interop.py import-hf --hf HF_DIR --out CKPT [--preset P] [--image-token-id N] [--vision-hf RADIO_DIR]
+Neither writes into a checkpoint directory (--out is, or lies in, one: refused) nor into a directory with files
+unless export-hf's --overwrite says so; export-hf then replaces only the files it writes, each as a new file (an
+existing one may be a checkpoint's hard link, copy_source), and drops an earlier export's weight shards. A user
+error is one line `error: <cause>. <fix>`, exit status 2 (cli).
 """
 import argparse
 import dataclasses
-import glob
 import json
 import math
 import os
 import re
+import shlex
 import shutil
+import sys
+import tempfile
 
 import torch
 from safetensors import safe_open
@@ -62,6 +68,7 @@ LAYER_SCALE = re.compile(UNUSED["LayerScale (all ones: identity)"])
 CARRIED = ("RADIO summary_idxs", "RADIO input conditioner", "sound encoder / projection")
 CARRIED_NAME = "carried.safetensors"
 WEIGHT_FILES = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|\.index\.json$")
+SHARD_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")   # ours
 
 
 # ---------------------------------------------------------------- configs
@@ -80,7 +87,7 @@ def read_config(hf_dir):
 def is_hf_dir(path):
     """An HF model directory (config.json with an HF model_type), not one of our checkpoints."""
     cfg = os.path.join(path, checkpoint.CONFIG_NAME)
-    if not os.path.isfile(cfg) or os.path.exists(os.path.join(path, checkpoint.META_NAME)):
+    if not os.path.isfile(cfg) or checkpoint.is_checkpoint(path):   # a save directory an export wrote into too
         return False
     with open(cfg) as f:
         return "model_type" in json.load(f)
@@ -311,8 +318,6 @@ def vision_shapes(cfg):
 
 def _write_shards(tensors, out_dir, max_shard_bytes):
     """Greedy in key order. One shard -> model.safetensors; more -> model-0000k-of-0000n + index."""
-    for stale in glob.glob(os.path.join(out_dir, "model*.safetensors*")):
-        os.remove(stale)   # a loader would otherwise pick up shards or the index of an earlier export
     shards, size, total = [[]], 0, 0
     for k, v in tensors.items():
         n = v.numel() * v.element_size()
@@ -330,6 +335,16 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
         weight_map = {k: name for keys, name in zip(shards, names) for k in keys}
         checkpoint.write_atomic(os.path.join(out_dir, INDEX_NAME),
                                 {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _drop_stale_shards(out_dir, names + [INDEX_NAME] * (len(shards) > 1))
+
+
+def _drop_stale_shards(out_dir, written):
+    """When `written` (an export's files) holds weights: an earlier export's shards or index it did not replace,
+    which a loader would otherwise pick up."""
+    if any(SHARD_FILES.fullmatch(n) for n in written):
+        for name in os.listdir(out_dir):
+            if SHARD_FILES.fullmatch(name) and name not in written:
+                os.remove(os.path.join(out_dir, name))
 
 
 # ---------------------------------------------------------------- HF import
@@ -477,7 +492,7 @@ def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, langu
     """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h), adapters merged;
     with adapters_only, the LoRA adapters alone as a PEFT adapter directory (hf_peft.py). Everything comes from
     the checkpoint: its record's config, its tokenizer's copy (unless `tokenizer` is given) and the files of the
-    HF directory the run started from (copy_source)."""
+    HF directory the run started from (copy_source). -> the checkpoint's step."""
     r = checkpoint.Reader(path)
     cfg, names = r.cfg, [n for n in r.tensors if not (language_only and n.startswith("vision."))]
     lora_names = [n for n in names if "lora_" in n]
@@ -485,7 +500,7 @@ def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, langu
         origin = (r.meta.get("run", {}).get("lineage") or [None])[0]
         hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, "" if language_only else OMNI_LM,
                           base_model=origin if origin and is_hf_dir(origin) else None)
-        return
+        return r.meta["step"]
     sd = {n: r.read(n) for n in names}
     if lora_names:   # adapters folded into their frozen weights: a plain HF model
         sd = lora.merge(sd, cfg.lora_alpha)
@@ -494,16 +509,20 @@ def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, langu
     source = os.path.join(r.dir, checkpoint.SOURCE_DIR)
     export_hf(cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, cfg),
               source if os.path.isdir(source) and not language_only else None)
+    return r.meta["step"]
 
 
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None):
+    """The command line; a user error raises SystemExit("error: <cause>. <fix>") (cli prints it)."""
     p = argparse.ArgumentParser(description="Convert between our checkpoints and HF (transformers) directories.")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export-hf", help="checkpoint (any layout) -> HF nemotron_h_omni (or nemotron_h) directory")
-    e.add_argument("--load", required=True, help="a save directory (uses `latest`) or a step directory")
-    e.add_argument("--out", required=True)
+    e.add_argument("--load", required=True, help="a save directory (its newest complete step) or a step directory")
+    e.add_argument("--out", required=True, help="a new or empty directory outside every checkpoint")
+    e.add_argument("--overwrite", action="store_true", help="into a directory with files: replace those export-hf "
+                   "writes (and an earlier export's weight shards), keep the others")
     e.add_argument("--language-only", action="store_true", help="write the language model alone (nemotron_h)")
     e.add_argument("--tokenizer", help="HF tokenizer dir to export (default: the one the run trained with)")
     e.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES)
@@ -512,29 +531,87 @@ def main(argv=None):
                    "directory (else merged in)")
     i = sub.add_parser("import-hf", help="HF nemotron_h_omni / nemotron_h directory -> our checkpoint directory")
     i.add_argument("--hf", required=True)
-    i.add_argument("--out", required=True)
+    i.add_argument("--out", required=True, help="a new or empty directory outside every checkpoint")
     i.add_argument("--preset", default="nano", help="preset for the fields HF does not carry (seq_len, budgets, ...)")
     i.add_argument("--image-token-id", type=int, help="for a nemotron_h config without image_token_id")
     i.add_argument("--vision-hf", help="a transformers `radio` directory: its tower + a fresh projector")
     args = p.parse_args(argv)
+    _check_out(args.cmd, args.out, getattr(args, "overwrite", False))
     try:
         if args.cmd == "export-hf":
-            export(args.load, args.out, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None,
-                   args.language_only, args.tokenizer, args.adapters_only)
-            print(f"wrote {args.out}")
+            step_dir = checkpoint.resolve(args.load, print)
+            step = _staged(args.out, lambda stage: export(
+                step_dir, stage, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None,
+                args.language_only, args.tokenizer, args.adapters_only))
+            print(f"wrote {args.out} from step {step} ({step_dir})")
         else:
             cfg, sd = import_hf(args.hf, args.preset, args.image_token_id, args.vision_hf)
             has_tokenizer = os.path.exists(os.path.join(args.hf, "tokenizer_config.json"))
             cfg = dataclasses.replace(cfg, tokenizer=args.hf if has_tokenizer else None)
-            checkpoint.save_model(args.out, cfg, sd)
-            if has_tokenizer:   # the checkpoint carries its run: tokenizer and source files, as a training save
-                data.load_tokenizer(args.hf, cfg).save(os.path.join(args.out, checkpoint.TOKENIZER_DIR))
-            copy_source(args.hf, os.path.join(args.out, checkpoint.SOURCE_DIR))
-            print(f"wrote {args.out} (fields HF does not carry from --preset {args.preset}): train it with "
-                  f"`python train.py --load {args.out} --finetune`")
+
+            def save(out):   # the checkpoint carries its run: tokenizer and source files, as a training save
+                checkpoint.save_model(out, cfg, sd)
+                if has_tokenizer:
+                    data.load_tokenizer(args.hf, cfg).save(os.path.join(out, checkpoint.TOKENIZER_DIR))
+                copy_source(args.hf, os.path.join(out, checkpoint.SOURCE_DIR))
+            _staged(args.out, save)
+            print(f"wrote {args.out} (fields HF does not carry from --preset {args.preset}). Fine-tune it on your "
+                  "data (the same line again resumes the run from YOUR_RUN_DIR): `torchrun --nproc_per_node=8 "
+                  f"train.py --load {shlex.quote(args.out)} --finetune --data YOUR_DATA.jsonl --save YOUR_RUN_DIR "
+                  "--steps 1000 --save-every 200`")
     except (ValueError, FileNotFoundError) as err:
         raise SystemExit(f"error: {err}") from None
+    except OSError as err:   # a full disk, permissions
+        raise SystemExit(f"error: {err.filename or args.out}: {type(err).__name__}: {err.strerror or err}. Free "
+                         "space, or check the permissions of --load and --out") from None
+
+
+def _check_out(cmd, out, overwrite):
+    """--out is never, nor lies in, a checkpoint directory (checkpoint.enclosing); it is new or empty unless
+    `overwrite`."""
+    held = checkpoint.enclosing(out)
+    if held is not None:
+        where = "is a checkpoint directory" if held == os.path.realpath(out) else \
+            f"lies in the checkpoint directory {held}"
+        raise SystemExit(f"error: --out {out} {where}: {cmd} never writes into one. Choose a new directory outside it")
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if names and not overwrite:
+        raise SystemExit(f"error: --out {out} is not empty ({len(names)} entries, e.g. {names[0]}). Choose a new or "
+                         "empty directory" + (", or pass --overwrite to replace the files export-hf writes there "
+                                              "(the others stay)" if cmd == "export-hf" else ""))
+
+
+def _staged(out, write):
+    """write(a new directory inside `out`) -> its result; then what it wrote replaces the entries of those names in
+    `out` (an existing file is never written into: it may be a checkpoint's hard link, copy_source), and an earlier
+    export's shards the new weights do not replace are dropped. A failed write changes no file in `out`."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        stage = tempfile.mkdtemp(prefix=".writing-", dir=out)
+    except OSError as e:
+        raise SystemExit(f"error: --out {out}: cannot write there ({type(e).__name__}: {e.strerror or e}). Choose a "
+                         "writable directory") from None
+    try:
+        result = write(stage)
+        names = os.listdir(stage)
+        for name in names:
+            os.replace(os.path.join(stage, name), os.path.join(out, name))
+        _drop_stale_shards(out, names)
+        return result
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def cli(argv=None):
+    """main() as a command: a user error printed as its one line, exit status 2 (as train.py's)."""
+    try:
+        main(argv)
+    except SystemExit as e:
+        if not isinstance(e.code, str):   # --help, argparse's usage errors (status 2)
+            raise
+        print(e.code, file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -14,20 +14,27 @@ the run started from that export-hf carries through (hf_interop.copy_source), me
                           and is logged. It saves on where it was loaded from (a copy of a run into the copy). Layout
                           flags given replace the saved ones as a whole; a run saved on another number of ranks
                           chooses its layout anew (its flags could not apply).
-Requeue: when --save DIR holds a complete checkpoint and this command line is that run's (no --load, --load DIR,
-or --load naming where the run came from: its lineage), the run resumes from DIR's newest step instead of starting
-again, so resubmitting the same line after a preemption continues the run. A checkpoint of another run there is
-refused, never overwritten.
+Requeue: a line whose --save DIR holds a complete checkpoint is either that run's, and resumes from it rather than
+starting again (so resubmitting the same line after a preemption continues the run), or refused. It is the run's
+  (i)   when --load is DIR (its newest complete step) or one of its step directories (that step; --finetune there
+        is refused: a new run would save over DIR's),
+  (ii)  when --load is where the run came from (its lineage: the HF directory, checkpoint or step it started or
+        branched from), resuming DIR's newest complete step; a --finetune line so resumes its fine-tune, or
+  (iii) with no --load, when the run started fresh and the line describes its model (config.MODEL_FIELDS and the
+        preset, as config.resolve makes them from the line), resuming DIR's newest complete step.
+Any other line is refused in one line naming what differs, never resumed nor overwritten. A run never saves over
+later steps: resuming step S into a save directory that holds a complete step after S (--load DIR/step_S, which
+saves on into DIR) is refused; --save NEW_DIR branches it there, and the same line again resumes NEW_DIR.
 """
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 
 import checkpoint
 import config
 import data
 import hf_interop
+
 
 @dataclass
 class Start:
@@ -46,7 +53,7 @@ class Start:
 def resolve(inv, given, world, say):
     """(Config, Start) of a command line: inv its invocation flags (--load, --finetune, --eval-only, ...), given the
     Config fields it set, world the number of ranks. say: rank 0's print."""
-    load = _requeue(inv, given, say)
+    load, requeued = _requeue(inv, given, say)
     if load is None:
         cfg = config.resolve(given.get("preset", config.Config.preset), given)
         return cfg, Start("fresh", tokenizer=cfg.tokenizer)
@@ -58,9 +65,10 @@ def resolve(inv, given, world, say):
                 f"earlier step of {os.path.dirname(step_dir)}")
     lineage = list(meta.get("run", {}).get("lineage", []))
     source = os.path.join(step_dir, checkpoint.SOURCE_DIR)
-    start = Start("weights" if inv.finetune else "resume", step_dir, lineage,
+    finetune = inv.finetune and not requeued
+    start = Start("weights" if finetune else "resume", step_dir, lineage,
                   source=source if os.path.isdir(source) else None)
-    if inv.finetune:
+    if finetune:
         keep = config.MODEL_FIELDS + ("tokenizer",) + (("lora_rank", "lora_alpha", "lora_targets")
                                                        if record.lora_rank else ())
         _refuse(record, given, keep, f"--load {load} --finetune takes the model from the checkpoint")
@@ -78,6 +86,13 @@ def resolve(inv, given, world, say):
         if changed:
             say(f"--load {load}: changed from the checkpoint's run: " + "; ".join(
                 f"--{config.flag(k)} {old} -> {new}" for k, old, new in changed))
+        later = [d for d in checkpoint.complete_steps(cfg.save) if int(d[5:]) > meta.get("step", 0)] \
+            if cfg.save is not None and not inv.eval_only else []
+        if later:
+            raise SystemExit(f"--load {load} would continue in {cfg.save}, which holds later steps ("
+                             f"{', '.join(later[:3])}{', ...' if len(later) > 3 else ''}) that it would replace. "
+                             f"Pass --save NEW_DIR to branch into a new directory, or --load {cfg.save} to continue "
+                             "from the newest step")
     if _real(load) not in lineage and not _inside(load, cfg.save):   # a run saved elsewhere than it came from
         lineage.append(_real(load))
     start.tokenizer = _tokenizer(cfg, step_dir, given.get("tokenizer"), load)
@@ -85,30 +100,45 @@ def resolve(inv, given, world, say):
 
 
 def _requeue(inv, given, say):
-    """What to load: --load as given, or --save's newest checkpoint when it holds this run (see the docstring)."""
+    """(what to load, whether it is --save's run resumed by (ii) or (iii)): --load as given, or --save's newest
+    checkpoint when the line is that run's (the docstring); the line of another run is refused."""
     save, load = given.get("save"), inv.load
     if save is None or inv.eval_only:
-        return load
+        return load, False
     step_dir, note = checkpoint.newest(save)
     if step_dir is None:
         if load is not None and _real(load) == _real(save):
             say(f"--load {load}: no checkpoint there yet: starting fresh; a later attempt of the same command "
                 "resumes from it")
-            return None
-        return load
+            return None, False
+        return load, False
     meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
                 f"earlier step of {save}")
     lineage, step = meta.get("run", {}).get("lineage", []), meta.get("step")
-    if load is None or _inside(load, save) or _real(load) in lineage:
+    if load is not None and _inside(load, save):   # (i)
+        if inv.finetune:
+            raise SystemExit(f"--load {load} --finetune would start a new run in --save {save}, which holds step "
+                             f"{step} of its own run; pass --save NEW_DIR for the new run, or drop --finetune to "
+                             "continue that run")
+        return load, False
+    why = [f"started from {lineage[0]}" if lineage else "started fresh"]
+    if load is None:
+        record = call(checkpoint.saved_config, step_dir)
+        line = config.resolve(given.get("preset", config.Config.preset), given)
+        differ = [f"{k} {getattr(record, k)}, the line's {getattr(line, k)}" for k in ("preset",) + config.MODEL_FIELDS
+                  if getattr(record, k) != getattr(line, k)]
+        why += differ[:3] + ["..."] * (len(differ) > 3) + ["this line starts fresh"] * bool(lineage)
+    else:
+        differ = []
+        why.append(f"this line starts from --load {load}")
+    if (load is None and not lineage and not differ) or (load is not None and _real(load) in lineage):   # (iii), (ii)
         if note:
             say(f"--save {save}: {note}")
-        if not (load is not None and _inside(load, save)):
-            say(f"--save {save} holds step {step} of this run: resuming from it" + ("" if load is None else
-                f", not from --load {load} (where the run started)"))
-        return step_dir if note else save
-    origin = f"from {lineage[0]}" if lineage else "fresh"
-    raise SystemExit(f"--save {save} holds step {step} of another run (started {origin}), not one that came from "
-                     f"--load {load}; choose another --save, or --load {save} to continue that run")
+        say(f"--save {save} holds step {step} of this run: resuming from it" + ("" if load is None else
+            f", not from --load {load} (where the run started)"))
+        return step_dir if note else save, True
+    raise SystemExit(f"--save {save} holds step {step} of {'a run of another model' if differ else 'another run'} "
+                     f"({'; '.join(why)}); choose another --save, or --load {save} to continue that run")
 
 
 def _from_hf(hf_dir, given, say):
@@ -176,7 +206,7 @@ def _save_dir(load, step_dir):
     if not checkpoint.complete(load):
         return load
     parent = os.path.dirname(os.path.abspath(step_dir))
-    return parent if re.fullmatch(r"step_\d{8}", os.path.basename(os.path.abspath(step_dir))) else None
+    return parent if checkpoint.STEP.fullmatch(os.path.basename(os.path.abspath(step_dir))) else None
 
 
 def _real(path):

@@ -14,9 +14,9 @@ by its name (comm.draw), from seed + 10000 (vision), + 20000 (language), + 40000
 layout nor any other parameter changes them; runtime RNG (random-crop CPE): seed + 30000 + vision dp rank, shared by
 the tp ranks of a lane.
 
-Code: main() = setup() (a Run record of what the parts share) -> train(): train_step() per step, evaluate() every
---eval-every steps, logs.py for what the user sees. User errors raise SystemExit(message); the command line (cli)
-prints them as one line.
+Code: main() = setup() (a Run record of what the parts share) -> failsafe.Stop (signals from then on) -> train():
+train_step() per step, evaluate() every --eval-every steps, logs.py for what the user sees (or evaluate_only()).
+User errors raise SystemExit(message); the command line (cli) prints them as one line.
 """
 import argparse
 import dataclasses
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -128,6 +129,8 @@ ALIASES = {
     "parallelism.expert-parallel-degree": "--lm-ep", "parallelism.data-parallel-shard-degree": "--lm-dp",
     "use-distributed-optimizer": "--distributed-optimizer (the default)", "report-to": "--tensorboard DIR or "
     "--wandb PROJECT", "lora-r": "--lora-rank", "bf16": "no flag: CUDA runs train in bf16 already",
+    "num-train-epochs": "--steps (epochs x the data's samples / --global-batch: a run counts steps, and "
+    "--train-samples sets only a sample-based LR schedule)",
 }
 
 
@@ -147,6 +150,24 @@ def peak_tflops(device):
     """Dense bf16 peak of this CUDA device from PEAK_TFLOPS (None on CPU or an unlisted GPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+LR_FIELDS = ("lr", "min_lr", "lr_schedule", "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters",
+             "lr_wsd_decay_style", "train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples",
+             "steps", "global_batch")   # what learning_rate / step_lr read
+
+
+def step_lr(cfg, counters):
+    """The LR of the step after `counters` (skipped steps advance neither steps nor samples)."""
+    return learning_rate(cfg, counters["good_steps"], counters["good_steps"] * cfg.global_batch)
+
+
+def schedule_change(cfg, saved, counters, where):
+    """A resumed run whose flags change the LR schedule moves its LR at once (e.g. a longer --steps re-stretches the
+    cosine): print the LR at the resume step under both."""
+    if any(getattr(cfg, k) != getattr(saved, k) for k in LR_FIELDS):
+        print(f"{where}: the learning rate at step {counters['step'] + 1} is {step_lr(cfg, counters):.3g} (it "
+              f"was {step_lr(saved, counters):.3g} under the saved schedule)", flush=True)
 
 
 def learning_rate(cfg, it, samples):
@@ -204,26 +225,34 @@ def main(argv=None):
     """Train (or with --eval-only evaluate) -> (one dict per step, or [the eval result]; {"vision"/"language": module
     this rank holds})."""
     inv, given = parse_args(argv)
-    say = print if int(os.environ.get("RANK", 0)) == 0 else lambda msg: None
+    rank = int(os.environ.get("RANK", 0))
+    say = print if rank == 0 else lambda msg: None
     world = inv.world_size if inv.dry_run and inv.world_size else int(os.environ.get("WORLD_SIZE", 1))
-    cfg, start = resume.resolve(inv, given, world, say)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
-        torch.device("cpu")
-    capacity = inv.gpu_memory * memory.GIB if inv.dry_run else memory.capacity(device)
-    lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say, strict=not inv.dry_run)
-    if inv.dry_run:
-        return memory.dry_run(cfg, lay, capacity)
-    try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
-        run = setup(cfg, inv, lay, start, device)
-        if inv.eval_only:  # the last line printed is the JSON result
-            result = evaluate(run, first=True)
-            if run.log_rank:
-                print(json.dumps(result), flush=True)
-            history = [result]
-        else:
-            history = train(run)
+    # one run at a time saves into a directory: rank 0 holds it from before the requeue reads it to the run's end
+    holds, line = rank == 0 and not (inv.dry_run or inv.eval_only), shlex.join(
+        ["train.py", *(sys.argv[1:] if argv is None else argv)])
+    held = [checkpoint.hold(given["save"], line)] if holds and given.get("save") else []
+    try:
+        cfg, start = resume.resolve(inv, given, world, say)
+        if holds and cfg.save and not held:   # --load CKPT saves on into its directory
+            held.append(checkpoint.hold(cfg.save, line))
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
+            torch.device("cpu")
+        capacity = inv.gpu_memory * memory.GIB if inv.dry_run else memory.capacity(device)
+        lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say,
+                          strict=not inv.dry_run)
+        if inv.dry_run:
+            return memory.dry_run(cfg, lay, capacity)
+        try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
+            run = setup(cfg, inv, lay, start, device)
+            # signals from here on: every rank stops at the same micro-batch boundary (failsafe.py)
+            stop = failsafe.Stop(device, watchdog.backstop(cfg.collective_timeout))
+            history = evaluate_only(run, stop) if inv.eval_only else train(run, stop)
+        finally:
+            watchdog.stop()
     finally:
-        watchdog.stop()
+        for h in held:
+            h.release()
     if run.own_group:
         dist.destroy_process_group()
     return history, run.modules
@@ -272,6 +301,11 @@ def setup(cfg, inv, lay, start, device):
         n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
         run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
+        if inv.eval_only and run.log_rank:
+            print(f"--eval-only: scoring {run.eval_set.n} samples of " + (
+                f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
+                f"--eval-data {cfg.eval_data}" if cfg.eval_data else f"the held-out part of --data {cfg.data}"),
+                flush=True)
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
@@ -279,6 +313,9 @@ def setup(cfg, inv, lay, start, device):
             resume.call, checkpoint.load, source, par, run.modules, run.opt, cfg, run.train_loader,
             finetune=start.weights_only, load_optim=not (inv.no_load_optim or inv.eval_only),
             load_rng=not inv.no_load_rng)
+    if start.kind == "resume" and rank == 0 and not inv.eval_only:
+        schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
+                        f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
     return run
 
 
@@ -377,7 +414,7 @@ def train_step(run, step, stop, first=False):
     t0 = time.perf_counter()
     watchdog.mark(f"step {step + 1}", first)
     rng = checkpoint.rng_state()
-    lr = learning_rate(cfg, c["good_steps"], c["good_steps"] * cfg.global_batch)  # skipped steps advance neither
+    lr = step_lr(cfg, c)
     for g in run.opt.param_groups:
         g["lr"] = lr
     base, n_micro = step * cfg.global_batch, lay.num_microbatches
@@ -430,10 +467,11 @@ def train_step(run, step, stop, first=False):
             "step_time_s": time.perf_counter() - t0, **({"mtp_loss": mtp} if mtp and lm is not None else {})}
 
 
-def evaluate(run, first=False):
-    """Score every sample of run.eval_set once -> {eval_loss (per token), eval_ppl, eval_tokens, eval_samples}.
-    The samples and their tokens are the same in every layout, so are the numbers (up to summation order).
-    `first`: the process's first evaluation (it compiles: the watchdog allows it more)."""
+def evaluate(run, stop, first=False):
+    """Score every sample of run.eval_set once -> {eval_loss (per token), eval_ppl, eval_tokens, eval_samples}, or
+    None when a signal stopped it (`stop`: every rank checks before each micro-batch; failsafe.py says why that
+    pairs with the bridge). The samples and their tokens are the same in every layout, so are the numbers (up to
+    summation order). `first`: the process's first evaluation (it compiles: the watchdog allows it more)."""
     spm = run.lay.samples_per_microbatch
     for m in run.modules.values():
         m.eval()
@@ -441,15 +479,30 @@ def evaluate(run, first=False):
     with torch.no_grad():
         for i in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
             watchdog.mark(f"evaluation, micro-batch {i // spm + 1}/{-(-len(run.eval_set) // spm)}", first)
+            if stop():
+                break
             batch = run.eval_loader.step(i, 1)
             total += microbatch(run, batch, i, train=False)
             tokens += lane_tokens(run, batch, i, 1)[0]
     for m in run.modules.values():
         m.train()
+    if stop.agreed:
+        return None
     n, = global_token_count(run.par, [tokens])
     loss = reduce_loss(run, total) / max(n, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
             "eval_samples": run.eval_set.n}
+
+
+def evaluate_only(run, stop):
+    """--eval-only -> [the result], printed as JSON (the last line), or [] when a signal stopped it."""
+    result = evaluate(run, stop, first=True)
+    if run.log_rank and result:
+        print(json.dumps(result), flush=True)
+    elif run.log_rank:
+        print(f"interrupted by {signal.Signals(stop.agreed).name} during the evaluation: nothing scored, nothing "
+              "saved", file=sys.stderr, flush=True)
+    return [result] if result else []
 
 
 def step_record(run, h, log):
@@ -473,8 +526,9 @@ def step_record(run, h, log):
     return rec
 
 
-def train(run):
-    """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step)."""
+def train(run, stop):
+    """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step).
+    `stop`: failsafe.Stop (a signal ends the run at a micro-batch boundary, saving the last completed step)."""
     cfg, start = run.cfg, run.start
     saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, lambda d: \
         resume.write_run_files(d, run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable
@@ -487,14 +541,13 @@ def train(run):
     if run.device.type == "cuda":   # step lines report the training peak; set-up's (init.py, optim.build) apart
         log.say(f"set-up peak memory {logs.peak_memory_gib(run.device):.2f} GiB")
         torch.cuda.reset_peak_memory_stats(run.device)
-    # SIGINT / SIGTERM: every rank stops at the same micro-batch boundary
-    stop = failsafe.Stop(run.device, watchdog.backstop(cfg.collective_timeout))
     history = []  # per step, on every rank: what tests and callers of main() inspect
     bad_steps = 0  # consecutive skipped (non-finite) steps
     for m in run.modules.values():
         m.train()
     failsafe.nothing_to_train(run.counters, cfg.steps, start.load if start.kind == "resume" else None, log.say)
     first, evaluated = run.counters["step"], False   # the first step and evaluation of the process compile
+    h = None   # the last step's entry; None after a signal stopped a step
     for step in range(first, cfg.steps):
         h = train_step(run, step, stop, first=step == first)
         if h is None:
@@ -506,7 +559,10 @@ def train(run):
             log.step(step_record(run, history[-1], log))
         log.bar.update(1)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            log.eval(step + 1, evaluate(run, first=not evaluated))
+            result = evaluate(run, stop, first=not evaluated)
+            if result is None:
+                break
+            log.eval(step + 1, result)
             evaluated = True
         if saver is not None:  # --save-every and the last step; also commits an async save
             watchdog.mark(f"step {step + 1}, checkpoint")
@@ -517,7 +573,8 @@ def train(run):
     if saver is not None:
         saver.close()  # waits for an async save in flight
     if stop.agreed:
-        log.say(failsafe.stop_message(stop.agreed, run.counters["step"], cfg.save, saved=bool(history)))
+        log.say(failsafe.stop_message(stop.agreed, run.counters["step"], cfg.save, saved=bool(history),
+                                      evaluating=h is not None))
     log.close(run.counters["step"], cfg.save)
     return history
 
@@ -526,25 +583,38 @@ def train(run):
 def cli(argv=None):
     """The command line: main(), a user error (SystemExit with a message, a bad data line) printed as one line
     `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
-    its traceback. Ctrl-C before training starts (failsafe.Stop takes signals from then on): one line, 130."""
+    its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone) keeps
+    quiet the same way: that rank says why. A signal before training starts (failsafe.Stop takes them from then
+    on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
     rank = int(os.environ.get("RANK", 0))
+    for sig in failsafe.SIGNALS:
+        signal.signal(sig, failsafe.interrupt)
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        torch.set_num_threads(1)   # as torchrun does: more threads collapse (5-16x a step) on shared cores
     try:
         main(argv)
-    except KeyboardInterrupt:
+    except failsafe.Interrupted as e:
         if rank == 0:
-            print("interrupted by SIGINT before training started: nothing to save", file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGINT)
-    except (SystemExit, data.BadSample) as e:
-        # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
-        bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
-        msg = e.code if isinstance(e, SystemExit) else f"{bad_line}. Fix the line or pass --skip-bad-samples"
-        if not isinstance(msg, str):              # --help, a plain exit status
+            print(f"interrupted by {e.name} before training started: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    except (SystemExit, data.BadSample, RuntimeError) as e:
+        if isinstance(e, SystemExit):
+            msg = e.code
+        elif isinstance(e, RuntimeError):
+            msg = failsafe.peer_gone(e, rank)
+        else:   # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
+            bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
+            msg = f"{bad_line}. Fix the line or pass --skip-bad-samples"
+        if not isinstance(msg, str):              # --help, a plain exit status, any other RuntimeError
             raise
         if "--debug" in (sys.argv[1:] if argv is None else argv):
             traceback.print_exc()
-        if rank != 0:   # rank 0 most likely failed too: its exit makes torchrun end this process meanwhile (its
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # SIGTERM, which failsafe.Stop would only note); if
-            time.sleep(ERROR_GRACE_S)                        # not, the error was this rank's only
+        if rank != 0:   # rank 0 most likely failed too (or first): its exit makes torchrun end this process (its
+            for sig in (signal.SIGTERM, signal.SIGHUP):   # signal, which failsafe.Stop would only note); if not,
+                signal.signal(sig, signal.SIG_DFL)         # the error was this rank's only
+            if failsafe.taken:   # torchrun's signal came first: it is ending the run
+                sys.exit(128 + failsafe.taken)
+            time.sleep(ERROR_GRACE_S)
         print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
         sys.exit(2)
 

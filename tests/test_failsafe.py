@@ -74,6 +74,7 @@ def _launch(tmp_path, argv, torchrun, **popen):
     return proc
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_mid_step_saves_the_last_step_and_resumes_exactly(tmp_path):
     """torchrun signals the whole process group of a rank: its DataLoader workers get the SIGTERM too."""
     save = str(tmp_path / "ckpt")
@@ -94,6 +95,7 @@ def test_sigterm_to_torchrun_mid_step_saves_the_last_step_and_resumes_exactly(tm
         assert_same(resumed[rank][1], straight[rank][1])
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_a_closed_pipe_still_saves(tmp_path):
     """`python train.py | tee log` and Ctrl-C: tee is gone before the run's next print."""
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "metrics.jsonl")
@@ -127,6 +129,7 @@ def _signal_mid_step(rank, world, argv):
         data.collate_text = collate
 
 
+@pytest.mark.slow
 def test_signal_on_one_language_rank_stops_all_ranks_async_save(tmp_path):
     save = str(tmp_path / "ckpt")
     argv = TINY + ["--steps", "3", "--save", save, "--save-every", "1", "--async-save"]
@@ -157,6 +160,7 @@ def _failing_writer(rank, world, argv, fail_step):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.slow
 def test_failed_save_ends_the_run_and_keeps_latest(tmp_path, mode):
     save = str(tmp_path / "ckpt")
     argv = TINY + ["--steps", "4", "--save", save, "--save-every", "1"] + (["--async-save"] if mode == "async" else [])
@@ -186,6 +190,7 @@ def test_unwritable_save_directory_is_refused_before_step_1(tmp_path):
 
 # ---------------------------------------------------------------- requeue
 
+@pytest.mark.slow
 def test_requeue_line_runs_twice(tmp_path, capfd):
     save = str(tmp_path / "ckpt")
     line = TINY + ["--steps", "2", "--save", save, "--load", save]
@@ -207,6 +212,7 @@ STAGE1 = TINY + ["--steps", "2", "--stage", "1", "--mock-text-only-frac", "0.5",
                  "--lr-schedule", "constant"]
 
 
+@pytest.mark.slow
 def test_stage1_with_text_only_micro_batches_hetero_and_colocated():
     (ref,) = run_distributed(_train, 1, STAGE1)
     hetero = run_distributed(_train, 4, STAGE1)
@@ -222,6 +228,7 @@ def test_stage1_with_text_only_micro_batches_hetero_and_colocated():
             assert torch.allclose(state[k], ref[1][k], atol=1e-6), (rank, k)
 
 
+@pytest.mark.slow
 def test_stage1_resume_with_frozen_parameters_is_exact(tmp_path):
     save = str(tmp_path / "ckpt")
     run_distributed(_train, 2, STAGE1 + ["--steps", "1", "--save", save])
@@ -330,6 +337,7 @@ def _inf_from_step(rank, world, argv, first_bad):
         optim.AdamW.finish = finish
 
 
+@pytest.mark.slow
 def test_non_finite_steps_abort_after_max_skipped_steps(tmp_path):
     save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     argv = TINY + ["--steps", "10", "--save", save, "--save-every", "2", "--max-skipped-steps", "3",

@@ -349,7 +349,7 @@ def test_set_up_peak_is_bf16_weights_plus_one_draw():
     torch.cuda.reset_peak_memory_stats()
     peaks, real = [], train.train
 
-    def after_setup(run):
+    def after_setup(run, stop):
         peaks.append(torch.cuda.max_memory_allocated() - base)
         return []
     train.train = after_setup
@@ -480,31 +480,43 @@ def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_los
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-def test_sigterm_mid_step_hetero_saves_and_the_same_line_resumes(colocated_losses, tmp_path):
-    """vision tp2 | language tp2 ep2 over NCCL: SIGTERM to torchrun during step 2 saves step 1 (the bridge traffic
-    in flight is matched, failsafe.abandon_step); the same line then resumes and trains steps 2 and 3, and the three
-    steps' losses and the evaluation's equal the colocated run's."""
+@pytest.mark.parametrize("when", ["mid-step", "mid-evaluation"])
+def test_a_signal_to_a_hetero_run_saves_and_the_run_goes_on(when, colocated_losses, tmp_path):
+    """vision tp2 | language tp2 ep2 over NCCL. mid-step: SIGTERM to torchrun during step 2 saves step 1 (the bridge
+    traffic in flight is matched, failsafe.abandon_step); the same line then resumes and trains steps 2 and 3.
+    mid-evaluation: SIGHUP during the evaluation after step 3 stops it on every rank (the signal check before each
+    evaluation micro-batch pairs with the forward-only bridge) and saves step 3; --eval-only then scores it. Either
+    way the three steps' losses and the evaluation's equal the colocated run's."""
     import os
     import signal
     import subprocess
     import time
     from tests.spawn import slow_train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    save, metrics, marker = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "midstep")
+    save, metrics, marker = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "marker")
     line = HETERO + VTP2_LTP2_EP2 + ["--save", save, "--metrics-file", metrics]
-    script = slow_train(str(tmp_path / "slow.py"), marker, line, at=11)   # 8 micro-batches a step: step 2
+    # 8 micro-batches a step: the 11th is step 2's third; the evaluation (32 mock samples) starts at the 25th
+    sig, at, said = (signal.SIGTERM, 11, f"interrupted by SIGTERM: saved step 1 to {save}") if when == "mid-step" \
+        else (signal.SIGHUP, 29, f"interrupted by SIGHUP during the evaluation after step 3 (not scored): saved step "
+              f"3 to {save}")
+    script = slow_train(str(tmp_path / "slow.py"), marker, line, at=at)
     proc = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=4", script], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while not os.path.exists(marker + "2") and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert f"interrupted by SIGTERM: saved step 1 to {save}" in out, out[-3000:]
-    resumed = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=4", "train.py", *line], cwd=root,
+    assert said in out, out[-3000:]
+    again = line if when == "mid-step" else ["--eval-only", "--load", save]
+    resumed = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=4", "train.py", *again], cwd=root,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout, resumed.stdout[-3000:]
-    losses = _losses(metrics)
-    print(f"SIGTERM at step 2, resumed: {losses}; colocated {colocated_losses}")
+    if when == "mid-step":
+        assert "resuming" in resumed.stdout, resumed.stdout[-3000:]
+        losses = _losses(metrics)
+    else:
+        import json
+        losses = _losses(metrics) + [json.loads(resumed.stdout.strip().splitlines()[-1])["eval_loss"]]
+    print(f"{sig.name} {when}, then {' '.join(again[:2])}: {losses}; colocated {colocated_losses}")
     assert _close(losses, colocated_losses), (losses, colocated_losses)

@@ -204,6 +204,7 @@ def test_import_strictness(tmp_path):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow
 def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
     transformers = pytest.importorskip("transformers")
     cfg, lm = build_lm(hf_ready=True, **VARIANTS[variant])
@@ -228,6 +229,7 @@ def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
 
 
 @pytest.mark.parametrize("latent", [None, 24], ids=["moe", "latent-moe"])
+@pytest.mark.slow
 def test_import_of_transformers_save_pretrained(tmp_path, latent):
     """latent-moe: LatentMoE (Nemotron 3 Super's moe_latent_size), the routed experts 24 wide in a 64-wide model."""
     transformers = pytest.importorskip("transformers")
@@ -270,6 +272,7 @@ def test_import_of_transformers_save_pretrained(tmp_path, latent):
 
 # ---------------------------------------------------------------- CLI
 
+@pytest.mark.slow
 def test_cli_export_then_import(tmp_path):
     cfg, lm = build_lm()
     vision = radio.VisionModel(cfg)
@@ -282,13 +285,15 @@ def test_cli_export_then_import(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "nemotron_h_omni"
     out = run("import-hf", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"), "--preset", "tiny")
     assert out.returncode == 0, out.stderr
-    assert f"`python train.py --load {tmp_path / 'back'} --finetune`" in out.stdout and "LayerScale (all ones: identity) (4 tensors)" in out.stdout
+    assert f"`torchrun --nproc_per_node=8 train.py --load {tmp_path / 'back'} --finetune --data YOUR_DATA.jsonl " \
+        "--save YOUR_RUN_DIR --steps 1000 --save-every 200`" in out.stdout
+    assert "LayerScale (all ones: identity) (4 tensors)" in out.stdout
     cfg2, sd2 = checkpoint.load_model(tmp_path / "back")
     assert_same_tensors(sd, sd2)
     assert cfg2 == cfg
     run("export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "lm"), "--language-only")
     assert json.loads((tmp_path / "lm" / "config.json").read_text())["model_type"] == "nemotron_h"
-    # a user error is one line, no traceback
+    # a user error is one line, no traceback, exit status 2
     out = run("import-hf", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nowhere' / 'config.json'}: missing: {tmp_path / 'nowhere'} is not an HF model directory"]

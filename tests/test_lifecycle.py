@@ -2,7 +2,8 @@
 files (resume.py: the checkpoint carries its run): start from the HF directory, interrupt, the same line again
 resumes (equal to a straight run), the printed resume line runs, eval needs no --tokenizer, the export is complete
 (transformers loads every tensor, the source's config fields and processor files come along, its loss is ours),
-LoRA's hyper-parameters come back from the checkpoint and its adapters load in PEFT, import-hf's command runs."""
+LoRA's hyper-parameters come back from the checkpoint and its adapters load in PEFT, import-hf's printed
+fine-tune line runs (data and save directory filled in) and requeues."""
 import json
 import os
 import re
@@ -62,6 +63,7 @@ def _sh(cmd):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_fine_tune_life(source, tmp_path, capfd):
     hf, chat, val = source
     save = str(tmp_path / "run")
@@ -134,15 +136,27 @@ def test_fine_tune_life(source, tmp_path, capfd):
     assert type(transformers.AutoProcessor.from_pretrained(out)).__name__ == PROCESSOR["processor_class"]
 
 
-def test_import_hf_command_runs_verbatim(source, tmp_path):
-    hf = source[0]
-    out = _sh([sys.executable, "hf_interop.py", "import-hf", "--hf", hf, "--out", str(tmp_path / "ckpt"), "--preset",
-               "tiny"])
-    command = re.search(r"train it with `([^`]+)`", out).group(1)
-    assert command == f"python train.py --load {tmp_path / 'ckpt'} --finetune"
-    assert re.search(r"step 20/20 \| loss [0-9.]+ ", _sh([sys.executable] + shlex.split(command)[1:]))
+@pytest.mark.slow
+def test_import_hf_command_runs(source, tmp_path, capfd):
+    """import-hf prints the fine-tune line with placeholders for the data and the save directory: filled in, it
+    trains on the data, saves, and the same line again resumes the fine-tune instead of starting it over."""
+    hf, chat, _ = source
+    ckpt, run = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    out = _sh([sys.executable, "hf_interop.py", "import-hf", "--hf", hf, "--out", ckpt, "--preset", "tiny"])
+    command = shlex.split(re.search(r"the same line again resumes the run from YOUR_RUN_DIR\): `([^`]+)`", out)[1])
+    assert command == ["torchrun", "--nproc_per_node=8", "train.py", "--load", ckpt, "--finetune", "--data",
+                       "YOUR_DATA.jsonl", "--save", "YOUR_RUN_DIR", "--steps", "1000", "--save-every", "200"]
+    line = [{"YOUR_DATA.jsonl": chat, "YOUR_RUN_DIR": run}.get(a, a) for a in command[3:]] + ["--steps", "2"]
+    capfd.readouterr()
+    (first,) = run_distributed(_train, 1, line)
+    assert [h["step"] for h in first[0]] == [1, 2] and latest(run) == "step_00000002"
+    assert f"train data: {chat}" in capfd.readouterr().out
+    (again,) = run_distributed(_train, 1, line)
+    assert again[0] == [] and f"--save {run} holds step 2 of this run: resuming from it, not from --load {ckpt}" \
+        in capfd.readouterr().out
 
 
+@pytest.mark.slow
 def test_lora_run_keeps_its_hyper_parameters_and_exports_peft(source, tmp_path):
     hf, chat, val = source
     save, out = str(tmp_path / "lora"), tmp_path / "out"

@@ -148,6 +148,7 @@ def reference():
 
 # ---------------------------------------------------------------- 1. learning, determinism, hetero == one process
 
+@pytest.mark.slow
 def test_tiny_hetero_learns_is_deterministic_and_matches_one_process():
     argv = ["--preset", "tiny", "--steps", "5", "--global-batch", str(GB), "--mock-num-samples", str(GB),
             "--lr", "3e-3", "--lr-schedule", "constant"]
@@ -182,6 +183,7 @@ LAYOUTS = {  # name: (world, grid flags, language ranks)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_one_step_matches_one_process(name, reference):
     world, flags, lm_ranks = LAYOUTS[name]
     results = run(ONE_STEP + flags, world)
@@ -191,6 +193,7 @@ def test_one_step_matches_one_process(name, reference):
 
 # ---------------------------------------------------------------- 3. text-only samples: 0-row payloads (docs/parallel.md §6)
 
+@pytest.mark.slow
 def test_text_only_mixing_matches_one_process():
     """Seed 15, half text-only: samples 0-3 are [text, text, image, text]. Global micro-batch 0 is text only (both
     vision lanes send 0 rows); in micro-batch 1 vision lane 0 sends one image, lane 1 (rank 1) 0 rows again, so
@@ -266,6 +269,20 @@ def test_sample_based_schedule():
     assert lr_at(wsd, 0, 800) == pytest.approx(1e-3) and lr_at(wsd, 0, 900) == pytest.approx(5e-4)
 
 
+def test_a_resume_that_changes_the_schedule_says_how_the_lr_moves(tmp_path, capfd):
+    """--steps 2 -> 4 on resume re-stretches the cosine: at step 3 the LR jumps from the end of the old one (min_lr)
+    to its middle, and the resume says so; resuming on the same schedule says nothing."""
+    save = str(tmp_path / "ckpt")
+    argv = ["--preset", "tiny", "--global-batch", "2", "--save", save]
+    steps = lambda n: run_distributed(lambda rank, world: train.main(argv + ["--steps", str(n)])[0], 1)[0]  # noqa
+    steps(2)
+    resumed = steps(4)
+    assert resumed[0]["lr"] == pytest.approx(2e-6 + (2e-4 - 2e-6) / 2)     # cosine progress 1/2
+    assert f"--save {save}: the learning rate at step 3 is 0.000101 (it was 2e-06 under the saved schedule)\n" \
+        in capfd.readouterr().out
+    assert steps(4) == [] and "learning rate at step" not in capfd.readouterr().out
+
+
 # ---------------------------------------------------------------- 5. a skipped step changes nothing
 
 def _train_with_snapshots(rank, world, argv):
@@ -286,6 +303,7 @@ def _train_with_snapshots(rank, world, argv):
 
 
 @pytest.mark.parametrize("schedule", [["--lr-decay-iters", "4"], ["--train-samples", "16"]], ids=["iters", "samples"])
+@pytest.mark.slow
 def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
     """The optimizer's finish reports inf on step 2 (on every rank, as the real one would): the step is skipped,
     its weights and AdamW state are untouched and the LR schedule does not advance (docs/parallel.md §8)."""
@@ -340,6 +358,7 @@ def _train_with_inf_on_vision_rank_1(rank, world, argv):
     return history, len(seen)
 
 
+@pytest.mark.slow
 def test_inf_on_one_encoder_rank_skips_everywhere():
     argv = ["--preset", "tiny", "--steps", "3", "--global-batch", str(GB), "--lr", "1e-3", "--lr-schedule", "constant"]
     results = run_distributed(_train_with_inf_on_vision_rank_1, 4, argv, timeout=60.0)
@@ -390,6 +409,7 @@ def test_bad_grid_exits_with_the_layout_message(monkeypatch):
     assert "global_batch 5 is not divisible" in str(e.value)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_sizes():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE")}
     out = subprocess.run([sys.executable, "train.py", "--preset", "nano", "--dry-run"], cwd=ROOT, env=env,
@@ -400,3 +420,32 @@ def test_dry_run_prints_sizes():
     assert last["params_vision"] == 811558400                            # RADIO ViT-H + projector
     assert last["params_active"] == 3580073408 + last["params_vision"]   # active decoder (~3.6B) + vision
     assert last["params_total"] == last["params_language"] + last["params_vision"]
+
+
+# ---------------------------------------------------------------- 8. the command line
+
+def _threads_in_main(rank, world, omp):
+    """torch's thread count when train.cli calls main, with OMP_NUM_THREADS = omp (None: unset), on 2 threads before."""
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+    torch.set_num_threads(2)
+    seen = []
+    train.main = lambda argv: seen.append(torch.get_num_threads())   # this forked child only
+    train.cli([])
+    return seen
+
+
+def test_a_cpu_run_without_torchrun_uses_one_thread():
+    """As torchrun sets it: 2 threads on 2 cores are slower on these models, and far slower on shared cores."""
+    assert run_distributed(_threads_in_main, 1, None) == [[1]]
+    assert run_distributed(_threads_in_main, 1, "2") == [[2]]      # an explicit OMP_NUM_THREADS stays
+
+
+def test_hf_epochs_flag_is_answered_with_steps():
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--num_train_epochs", "3"])
+    assert str(e.value) == ("unknown flag --num-train-epochs. Use --steps (epochs x the data's samples / "
+                            "--global-batch: a run counts steps, and --train-samples sets only a sample-based LR "
+                            "schedule)")

@@ -1,0 +1,132 @@
+"""Every stop saves, and says so once (failsafe.py, train.cli): a signal during an evaluation saves the step before
+it, SIGHUP as SIGTERM, a signal before training is one line, an interrupted --eval-only is one line, and a rank whose
+peer ended with an error stays silent."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import failsafe
+import mock
+import train
+from tests.spawn import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--preset", "tiny", "--global-batch", "4", "--lr-decay-iters", "6"]
+HETERO2 = TINY + ["--vision-dp", "1", "--lm-dp", "1"]   # 2 ranks: vision on 0, language on 1; 4 micro-batches a step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_imports():
+    torch.nn.utils.skip_init(torch.nn.Linear, 1, 1)
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+def _signal_at(rank, world, argv, sig, at):
+    """train.main, the last rank sending itself `sig` at its collate_text call number `at` -> (history, weights,
+    the exit status the process would have)."""
+    collate, calls = data.collate_text, []
+
+    def collate_then_signal(samples):
+        calls.append(1)
+        if rank == world - 1 and len(calls) == at:
+            os.kill(os.getpid(), sig)
+        return collate(samples)
+    data.collate_text = collate_then_signal
+    try:
+        history, modules = train.main(list(argv))
+    finally:
+        data.collate_text = collate
+    state = {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()}
+    return history, state, failsafe.exit_status()
+
+
+def _latest(save):
+    return open(os.path.join(save, "latest")).read().strip()
+
+
+@pytest.mark.slow
+def test_sighup_mid_evaluation_saves_the_step_and_resumes_exactly(tmp_path, capfd):
+    """The language rank's 5th micro-batch is the evaluation's first after step 1: both ranks stop before the
+    evaluation's second, the step before it is saved, nothing is logged as its result."""
+    save, metrics = str(tmp_path / "ckpt"), str(tmp_path / "metrics.jsonl")
+    argv = HETERO2 + ["--steps", "3", "--save", save, "--eval-every", "1", "--eval-samples", "4"]
+    first = run_distributed(_signal_at, 2, argv + ["--metrics-file", metrics], signal.SIGHUP, 5)
+    assert [(len(h), status) for h, _, status in first] == [(1, 128 + signal.SIGHUP)] * 2
+    out = capfd.readouterr().out
+    assert out.count(f"interrupted by SIGHUP during the evaluation after step 1 (not scored): saved step 1 to "
+                     f"{save}\n") == 1, out
+    assert "eval step" not in out and all("eval_loss" not in line for line in open(metrics))
+    assert _latest(save) == "step_00000001"
+    resumed = run_distributed(_signal_at, 2, argv + ["--load", save], signal.SIGHUP, 0)   # (no signal)
+    straight = run_distributed(_signal_at, 2, HETERO2 + ["--steps", "3"], signal.SIGHUP, 0)
+    assert "the learning rate at step" not in capfd.readouterr().out   # the schedule did not change
+    for (h, state, status), (h_ref, ref, _) in zip(resumed, straight):
+        assert status == 0 and [x["loss"] for x in h] == [x["loss"] for x in h_ref[1:]]
+        assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_interrupted_eval_only_is_one_line_and_names_its_data(tmp_path, capfd):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))
+    argv = ["--preset", "tiny", "--eval-only", "--data", str(docs)]
+    ((history, _, status),) = run_distributed(_signal_at, 1, argv, signal.SIGTERM, 1)
+    assert history == [] and status == 128 + signal.SIGTERM
+    out, err = capfd.readouterr()
+    assert f"--eval-only: scoring 4 samples of --data {docs} (no --eval-data given)\n" in out
+    assert "eval_loss" not in out
+    assert err == "interrupted by SIGTERM during the evaluation: nothing scored, nothing saved\n", err
+
+
+def _cli_signalled_in_set_up(rank, world, argv, sig):
+    """train.cli with `sig` arriving while the mock data is set up -> its exit status."""
+    real = mock.MockData.__init__
+
+    def interrupt(self, *a, **k):
+        os.kill(os.getpid(), sig)
+        real(self, *a, **k)
+    mock.MockData.__init__ = interrupt
+    try:
+        train.cli(list(argv))
+    except SystemExit as e:
+        return e.code
+    finally:
+        mock.MockData.__init__ = real
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_training_is_one_line(sig, capfd):
+    (status,) = run_distributed(_cli_signalled_in_set_up, 1, TINY + ["--steps", "2"], sig)
+    assert status == 128 + sig
+    assert capfd.readouterr().err == f"interrupted by {sig.name} before training started: nothing to save\n"
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_ended_with_an_error_stays_silent(tmp_path):
+    """Rank 0 (vision) cannot load its images at step 1 while rank 1 (language) waits for their rows over gloo:
+    rank 0's line is the only one, rank 1 (its connection closed) ends quietly within torchrun's shutdown."""
+    script = tmp_path / "bad_image.py"
+    script.write_text(f"""import os, runpy, sys
+sys.path.insert(0, {ROOT!r})
+import data
+def damaged(*a, **k):
+    raise data.BadSample("imgs.jsonl:2: undecodable image b.jpg: Truncated File Read")
+if os.environ["RANK"] == "0":
+    data.collate_images = damaged
+sys.argv = ["train.py"] + {HETERO2 + ["--steps", "2"]!r}
+runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
+""")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=180)
+    both = out.stdout + out.stderr
+    errors = [line for line in both.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and errors == ["error: imgs.jsonl:2: undecodable image b.jpg: Truncated File Read. "
+                                              "Fix the line or pass --skip-bad-samples"], both
+    assert "Connection closed" not in both and f'File "{ROOT}' not in both, both   # torchrun's own report only

@@ -8,6 +8,7 @@ import pytest
 from tests.test_run import ENV, ROOT
 
 
+@pytest.mark.slow
 def test_bench_parts_and_train_figures():
     """lm and train (a lone process: a group of one), tiny preset, seq 96: tokens/s is tokens over the time, the
     train part's two runs (router as trained, forced balance) both report; the last line is the JSON record."""
@@ -25,6 +26,7 @@ def test_bench_parts_and_train_figures():
     assert res["preset"] == "tiny" and res["seq_len"] == 96
 
 
+@pytest.mark.slow
 def test_startup_profile_sees_the_backward(tmp_path):
     """bench/startup.py: the profile holds train.py's step and the backward pass's Python (on CUDA autograd runs it
     on another thread unless startup.py turns that off; on the CPU it is this one), and its stats load with pstats."""

@@ -61,6 +61,7 @@ def straight():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async_sigterm"])
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path, straight, mode):
     save = str(tmp_path / "ckpt")
     if mode == "sync":
@@ -111,6 +112,7 @@ train.main({argv!r})
 """
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_latest_at_previous_checkpoint(tmp_path):
     save, marker = str(tmp_path / "ckpt"), str(tmp_path / "hanging")
     argv = TINY + ["--steps", "4", "--save", save, "--save-every", "1"]
@@ -159,6 +161,7 @@ def sharded(tmp_path_factory):
     return save, run_distributed(_train, 4, SHARDED + ["--steps", "2", "--save", save])
 
 
+@pytest.mark.slow
 def test_reshard_tp2_ep2_to_one_process(sharded, tmp_path):
     save, ranks = sharded
     assert sorted(f for f in os.listdir(os.path.join(save, "step_00000002")) if f.startswith("model.")) == [
@@ -236,6 +239,7 @@ def test_export_hf_of_sharded_checkpoint(sharded, tmp_path):
     assert all(getattr(cfg2, k) == getattr(cfg, k) for k in config.MODEL_FIELDS)
 
 
+@pytest.mark.slow
 def test_eval_only_prints_json_last(sharded):
     save, _ = sharded   # the tiny preset's model, read from the checkpoint's config.json (no --preset given)
     out = subprocess.run([sys.executable, "train.py", "--eval-only", "--load", save], cwd=ROOT, check=True,

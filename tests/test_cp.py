@@ -96,6 +96,7 @@ def test_attention_chunks_equal_a_full_mask():
     assert (wrong - full[:, :, 8:12]).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_document_flex_mask_equals_the_boolean_mask(monkeypatch):
     """The CUDA path's FlexAttention mask (run here eagerly, uncompiled) == the CPU path's boolean mask on packed
     rows, for a rank's two zigzag chunks whose documents cross the chunk boundaries; keys of another document and of
@@ -173,11 +174,13 @@ def reference(step_data):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_training_step_matches_one_process(name, step_data, reference):
     world, flags = LAYOUTS[name]
     assert_step_matches(run(step_data + flags, world), reference, name)
 
 
+@pytest.mark.slow
 def test_lora_with_activation_checkpointing_matches_one_process(step_data):
     argv = step_data + ["--lora-rank", "4", "--activation-checkpointing"]
     assert_step_matches(run(argv + ["--colocated", "--lm-cp", "2"], 2), run(argv, 1)[0], "LoRA cp2")
@@ -203,6 +206,7 @@ def _losses_and_weights(rank, world, argv):
                                           for n, p in m.named_parameters()}
 
 
+@pytest.mark.slow
 def test_resume_from_cp2_into_cp1_and_cp4(step_data, tmp_path):
     """Two steps at cp 2, saved, then steps 3-4 at cp 1 (one process) and at cp 4: the losses and weights of the
     straight four-step cp 2 run, to fp32 rounding (the layouts sum in different orders)."""

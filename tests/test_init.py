@@ -69,6 +69,7 @@ def _set_up(rank, world, argv):
     ("tiny lora", ["--colocated", "--lm-tp", "2", "--lm-ep", "2"], 2),
     ("tiny latent mtp", ["--colocated", "--lm-tp", "2"], 2),
     ("small", ["--colocated", "--lm-tp", "2", "--lm-ep", "2"], 2)])
+@pytest.mark.slow
 def test_materialised_init_equals_the_fp32_init_bit_for_bit(case, layout, world):
     ref = reference(CASES[case])
     assert digest(ref) == PINNED[case]
@@ -93,6 +94,7 @@ def _draws_of(rank, world, argv):
     return drawn
 
 
+@pytest.mark.slow
 def test_a_load_draws_only_what_it_lacks(tmp_path):
     """Resuming draws nothing; a LoRA fine-tune from the saved weights draws its adapters alone."""
     save = str(tmp_path / "run")

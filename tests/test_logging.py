@@ -80,6 +80,7 @@ def sh(*argv, env=ENV):
     return subprocess.run(list(argv), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_the_metrics_files_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -156,6 +157,7 @@ def test_a_sink_that_cannot_start_stops_every_rank_with_one_line(sink, message, 
     assert run_distributed(_exit_message, 2, argv, timeout=30.0) == [message, message]
 
 
+@pytest.mark.slow
 def test_missing_tensorboard_from_the_command_line(tmp_path):
     hide = ("import runpy, sys; sys.modules['tensorboard'] = None; sys.argv[0] = 'train.py'; "
             "runpy.run_path('train.py', run_name='__main__')")

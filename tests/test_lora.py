@@ -39,6 +39,7 @@ def one_process():
     return init, after
 
 
+@pytest.mark.slow
 def test_only_adapters_train(one_process):
     (_, init), (losses, after) = one_process
     adapters = [k for k in after if "lora_" in k]
@@ -54,6 +55,7 @@ def test_only_adapters_train(one_process):
 
 
 @pytest.mark.parametrize("latent", [[], ["--moe-latent-size", "16"]], ids=["moe", "latent-moe"])
+@pytest.mark.slow
 def test_tp2_ep2_equals_one_process(latent):
     """One step (as tests/test_train.py's layouts): the loss, the adapters' reduced gradients and the updated
     weights equal one process's. (Over more steps AdamW amplifies last-bit differences of near-zero gradients.)
@@ -66,6 +68,7 @@ def test_tp2_ep2_equals_one_process(latent):
     assert all(g.abs().max() > 0 for k, g in ref[2].items() if "lora_" in k and k.endswith("B"))   # A: 0, as B = 0
 
 
+@pytest.mark.slow
 def test_resume_merged_export_and_adapters_only(tmp_path, one_process):
     _, (ref_losses, ref) = one_process
     save = str(tmp_path / "ckpt")

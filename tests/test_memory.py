@@ -105,6 +105,7 @@ def test_vision_rank_and_plain_optimizer():
     assert frozen["vision"]["weights"] == 2 * n and frozen["vision"]["gradients"] == 4 * proj
 
 
+@pytest.mark.slow
 def test_dry_run_cli_last_line():
     """Nano as chosen for 8 ranks of 80 GiB, 20l's reference layout, a colocated tiny layout of 4 ranks of 16 GiB:
     the last line is the plan in GiB, with the verdict per rank kind against that memory."""

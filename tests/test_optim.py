@@ -64,6 +64,7 @@ def assert_close(got, ref, rel):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.slow
 def test_distributed_equals_plain_adamw(name):
     world, flags, rel = LAYOUTS[name]
     argv = STAGE3 + ["--steps", "3"] + flags
@@ -96,6 +97,7 @@ def _gathered_after_load(rank, world, argv):
         {names[id(p)]: getattr(p, "shards", ()) for p in opt.params()}
 
 
+@pytest.mark.slow
 def test_resume_into_another_dp(tmp_path):
     """Saved under tp2 dp2 ep2 edp2 after 2 steps, resumed under tp1 dp4 ep2 edp2."""
     save = str(tmp_path / "ckpt")
@@ -126,6 +128,7 @@ def test_resume_into_another_dp(tmp_path):
         assert_close(weights, ref_weights, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_stage2_checkpoint_in_a_stage3_run_keeps_its_moments(tmp_path):
     """A stage 2 checkpoint resumed with --stage 3: the projector's saved AdamW state comes back though the tower's
     fresh parameters share its buckets (they are split by age: AdamW counts steps per bucket), sharded and

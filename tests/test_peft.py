@@ -52,6 +52,7 @@ def imported(omni):   # noqa: F811
     return (d, *hf_interop.import_hf(d, preset="tiny", say=lambda m: None))
 
 
+@pytest.mark.slow
 def test_omni_adapters_equal_merged_export(imported, tmp_path):
     d, cfg, sd = imported
     cfg, sd = with_adapters(cfg, sd, EVERY)

@@ -260,6 +260,7 @@ def _tp_worker(rank, port, world):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_matches_single_device():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -56,6 +56,7 @@ def _eval(rank, world, argv):
 
 
 @pytest.mark.parametrize("eval_data", ["mock", "jsonl"])
+@pytest.mark.slow
 def test_eval_is_the_same_in_every_layout(eval_data, tmp_path):
     """5 samples: a partial last micro-batch in every layout but one process at micro-batch 1. The model is the
     layout-independent init (seed 3), the data the mock task's held-out set or a JSONL file beside mock --data."""
@@ -118,6 +119,7 @@ def _learn(rank, world, argv, image_noise):
     return [h["loss"] for h in history], answer_loss(modules, config.resolve("tiny"))
 
 
+@pytest.mark.slow
 def test_mock_task_learns_through_the_image():
     argv = ["--preset", "tiny", "--steps", "60", "--lr", "3e-3", "--lr-schedule", "constant"]
     chance = math.log(mock.COUNT // mock.STRIDE)                                # ln 8: the image's 8 colours
@@ -138,6 +140,7 @@ def test_mock_text_random_is_unlearnable_noise():
 
 # ---------------------------------------------------------------- 3. nothing compiles at import
 
+@pytest.mark.slow
 def test_import_compiles_nothing():
     out = sh(sys.executable, "-c", "import sys, train; print(sorted(m for m in sys.modules if m.startswith("
              "('torch._dynamo', 'torch._inductor', 'triton'))))")
@@ -154,6 +157,7 @@ def test_import_compiles_nothing():
     (["--eval-only", "--load", "no_such_dir"], "error: no_such_dir/meta.json: missing"),
     (["--lr", "fast"], "error: argument --lr: invalid float value: 'fast'. See --help"),
 ])
+@pytest.mark.slow
 def test_user_errors_are_one_line(argv, message):
     out = sh(sys.executable, "train.py", "--preset", "tiny", *argv)
     assert out.returncode == 2 and out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
@@ -188,6 +192,7 @@ def test_bad_arguments_are_refused_in_one_line(argv, message):
     assert str(e.value) == message
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_training_is_one_line(tmp_path):
     """SIGINT during set-up, before failsafe.Stop takes signals: one line, exit 130, no traceback from any rank."""
     script = tmp_path / "interrupted.py"
@@ -210,6 +215,7 @@ runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
         "to save\n", single.stderr
 
 
+@pytest.mark.slow
 def test_an_error_once_training_runs_is_printed_once(tmp_path):
     """A failed save after step 1 (every rank fails alike, failsafe.Stop holds SIGTERM by then): rank 0's line only,
     the other rank ended by torchrun during its grace."""
@@ -233,6 +239,7 @@ runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "run_config.json", "step_00000001"]   # nothing left
 
 
+@pytest.mark.slow
 def test_one_line_error_from_two_ranks_printed_once():
     out = sh(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--preset", "tiny",
              "--global-batch", "3", "--colocated", "--lm-dp", "2")
@@ -245,6 +252,7 @@ def test_one_line_error_from_two_ranks_printed_once():
 
 # ---------------------------------------------------------------- 5. what the log says
 
+@pytest.mark.slow
 def test_log_lines(tmp_path):
     """JSONL documents of 30 bytes (32 tokens with BOS / EOS, 64 of padding): tok/s counts the 32."""
     docs = text_docs(tmp_path / "docs.jsonl", [30] * 8)
@@ -303,6 +311,7 @@ def test_param_counts_by_part_and_stage():
 
 # ---------------------------------------------------------------- 6. two nodes
 
+@pytest.mark.slow
 def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
     """Two torchrun agents on localhost, 2 ranks each, c10d rendezvous: the tiny reference layout (vision dp2 on
     node 0, language dp2 on node 1) trains the losses of one process."""

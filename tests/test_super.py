@@ -34,6 +34,7 @@ def super_vl(tmp_path_factory):
     return d, hf
 
 
+@pytest.mark.slow
 def test_latent_moe_and_mtp_omni_equal_transformers_and_keep_mtp_weights(super_vl, tmp_path):
     d, hf = super_vl
     said = []
@@ -124,6 +125,7 @@ MTP = ["--preset", "tiny", "--steps", "3", "--global-batch", "4", "--lr", "1e-3"
 @pytest.mark.parametrize("world,flags", [(4, []), (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "2"]),
                                          (4, ["--colocated", "--lm-cp", "2", "--lm-ep", "2"])],
                          ids=["hetero", "colocated-tp2-ep2", "colocated-cp2-ep2"])
+@pytest.mark.slow
 def test_mtp_training_equals_one_process(world, flags):
     """Two MTP depths sharing one block, LatentMoE: per-step loss, MTP losses and the trained weights of a parallel
     layout equal one process (fp32)."""
@@ -140,6 +142,7 @@ def test_mtp_training_equals_one_process(world, flags):
             assert (v - ref_w[k]).abs().max() < 1e-5, k
 
 
+@pytest.mark.slow
 def test_super_preset_counts_equal_transformers():
     """--preset super --dry-run: the language model's parameters equal transformers' NemotronH built from the same
     config on the meta device; the MTP block apart (transformers builds none); the totals the model card rounds

@@ -68,6 +68,7 @@ def _check(rank, world, tp, ep, etp, latent):
 
 @pytest.mark.parametrize("tp,ep,etp,latent", [(2, 1, 1, None), (1, 2, 1, None), (2, 2, 1, None), (2, 1, 2, None),
                                               (1, 2, 2, None), (2, 1, 1, 24), (1, 2, 1, 24), (2, 2, 2, 24)])
+@pytest.mark.slow
 def test_parallel_language_model_matches_single_device(tp, ep, etp, latent):
     """latent: LatentMoE, the routed experts 24 wide (the projections' tp-partial gradients summed over tp)."""
     losses = run_distributed(_check, 4, tp, ep, etp, latent)

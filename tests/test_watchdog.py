@@ -19,6 +19,7 @@ from tests.spawn import run_distributed, slow_train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_stopped_rank_ends_the_run_with_one_line(tmp_path):
     timeout = 5
     marker = str(tmp_path / "m")
@@ -78,6 +79,7 @@ def _deadlock(rank, world):
     return "not reached"
 
 
+@pytest.mark.slow
 def test_ranks_waiting_on_each_other_end_with_a_line_naming_both(capfd):
     with pytest.raises(RuntimeError, match=f"exit codes \\[{watchdog.EXIT_STATUS}, {watchdog.EXIT_STATUS}\\]"):
         run_distributed(_deadlock, 2, timeout=30)
@@ -102,5 +104,6 @@ def _slow_writer(rank, world):
     return "done"
 
 
+@pytest.mark.slow
 def test_waiting_behind_a_rank_that_makes_progress_is_no_hang():
     assert run_distributed(_slow_writer, 2, timeout=30) == ["done", "done"]

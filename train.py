@@ -302,10 +302,11 @@ def setup(cfg, inv, lay, start, device):
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
         run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
         if inv.eval_only and run.log_rank:
-            print(f"--eval-only: scoring {run.eval_set.n} samples of " + (
-                f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
-                f"--eval-data {cfg.eval_data}" if cfg.eval_data else f"the held-out part of --data {cfg.data}"),
-                flush=True)
+            what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
+                    f"--eval-data {cfg.eval_data}" if cfg.eval_data else
+                    "the mock task's evaluation set (seed + 1)" if cfg.data == "mock" else
+                    f"the held-out --eval-frac {cfg.eval_frac} of --data {cfg.data}")
+            print(f"--eval-only: scoring {run.eval_set.n} samples of {what}", flush=True)
     run.bridge = Bridge(par, device)
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position

@@ -15,16 +15,9 @@ import failsafe
 import mock
 import train
 from tests.spawn import run_distributed
+from tests.test_failsafe import HETERO2, TINY, warm_imports  # noqa: F401 (warm_imports: an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--preset", "tiny", "--global-batch", "4", "--lr-decay-iters", "6"]
-HETERO2 = TINY + ["--vision-dp", "1", "--lm-dp", "1"]   # 2 ranks: vision on 0, language on 1; 4 micro-batches a step
-
-
-@pytest.fixture(scope="module", autouse=True)
-def warm_imports():
-    torch.nn.utils.skip_init(torch.nn.Linear, 1, 1)
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 
 def _signal_at(rank, world, argv, sig, at):

@@ -64,7 +64,7 @@ def data_summary(name, ds):
     return f"{name} data: " + "; ".join(parts)
 
 
-# TensorBoard / W&B scalar <- step record key (README "Logging" lists them): the same names in both sinks, and ones
+# TensorBoard / W&B scalar <- step record key (docs/logging.md §3 lists them): the same names in both sinks, and ones
 # that only ever get added to, since dashboards and run comparisons key on them
 STEP_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm", "train/mfu": "mfu",
                 "train/skipped_steps": "skipped", "train/step_time_s": "step_time_s",

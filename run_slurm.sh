@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SLURM batch script: the 20l preset on 2 nodes x 8 GPUs, hetero: vision tp2 dp4 (8 ranks) + language tp2 ep4 dp4
 # (8 ranks; memory per rank: train.py --dry-run --world-size 16 ...). One torchrun agent per node, c10d rendezvous
-# on the first node. SIGTERM 10 minutes before the time limit leaves time for the signal save (README: When things
-# go wrong); the same line resubmitted resumes (--save = --load). Submit: sbatch run_slurm.sh [more train.py flags]
+# on the first node. SIGTERM 10 minutes before the time limit leaves time for the signal save (docs/failures.md
+# §3); the same line resubmitted resumes (--save = --load). Submit: sbatch run_slurm.sh [more train.py flags]
 #SBATCH --job-name=hetero-vlm-20l
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -254,7 +254,7 @@ def checkpoint_bytes(cfg, stage=2):
 def test_signal_save_time_20l(tmp_path):
     """SIGTERM to a one-GPU training run of the 20l preset with 16 routed experts (the full 128 do not fit one GPU):
     seconds from the signal to the saved checkpoint and to the exit, its size, and what that gives for the full
-    20l by bytes. Prints one JSON line; README "When things go wrong" quotes it. Long: builds a 3.4B model."""
+    20l by bytes. Prints one JSON line; docs/failures.md §3 quotes it. Long: builds a 3.4B model."""
     import json
     import os
     import signal

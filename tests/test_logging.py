@@ -1,6 +1,6 @@
-"""The scalar sinks (logs.py, README "Logging"): TensorBoard's event files and a W&B run get the metrics file's numbers
-under stable names at the right steps; a sink that cannot start (package missing, W&B not logged in) is the same
-one-line error on every rank, and `error: ...` with exit status 2 from the command line."""
+"""The scalar sinks (logs.py, docs/logging.md §3): TensorBoard's event files and a W&B run get the metrics file's
+numbers under stable names at the right steps; a sink that cannot start (package missing, W&B not logged in) is the
+same one-line error on every rank, and `error: ...` with exit status 2 from the command line."""
 import collections
 import glob
 import importlib.machinery
@@ -46,7 +46,8 @@ class WandbStub(types.ModuleType):
 
 
 def expected_scalars(metrics_file):
-    """{scalar name: [(step, value)]} as the sinks must get them, from the metrics file: the names are the README's."""
+    """{scalar name: [(step, value)]} as the sinks must get them, from the metrics file, under docs/logging.md §3's
+    names."""
     out = collections.defaultdict(list)
     for r in map(json.loads, open(metrics_file)):
         if "eval_loss" in r:

@@ -607,13 +607,6 @@ def load_model(path):
     return r.cfg, {name: r.read(name) for name in r.tensors}
 
 
-def load_into(module, state_dict, source):
-    """Strict load with shapes checked first, so the error names the file and the tensors."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    check_tensors(state_dict, expected, source)
-    module.load_state_dict(state_dict, strict=True)
-
-
 def check_tensors(state_dict, expected, source, file_of=None):
     """Same names and shapes as `expected` ({name: shape}), or a ValueError listing every offender."""
     file_of = file_of or {}

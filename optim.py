@@ -236,7 +236,7 @@ class AdamW:
                 full = b.main if b.n == 1 else b.gather(b.main.to(b.params[0].dtype))
                 torch._foreach_copy_(b.params, list(b.split(full).values()))
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self):
         for b in self.buckets:
             b.main.grad = None
             for p in b.params:

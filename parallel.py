@@ -6,7 +6,8 @@ The vision encoder and the language model each live on a grid of ranks. Hetero: 
 
   1. Grid     a rank tensor `arange(size).view(pp, dp, cp, tp) + offset`; every group is a slice of it
               (docs/parallel.md §2, §3).
-  2. Setup    every group of every grid, created in one fixed order on every rank (docs/parallel.md §5).
+  2. Setup    the groups the code reads, each a slice of a grid, created in one fixed order on every rank
+              (docs/parallel.md §5).
 """
 import math
 from dataclasses import dataclass, field
@@ -99,23 +100,16 @@ def lane_samples(lay, side, lane):
 
 @dataclass
 class ModuleGroups:
-    """One module's groups and coordinates as seen from this rank. A group is None where it does not apply."""
+    """One module's groups and coordinates as seen from this rank. A group is None where the module uses none."""
     name: str                                   # "vision" or "lm"
     tp: object = None
-    cp: object = None
-    dp: object = None
-    pp: object = None
+    cp: object = None                           # language only
     dp_cp: object = None                        # dense gradient reduction domain
-    tp_cp: object = None
-    tp_pp: object = None                        # Megatron's "mp"
-    tp_dp: object = None
-    tp_dp_cp: object = None                     # MoE expert-bias token counts
-    whole: object = None                        # the whole module grid
+    tp_cp: object = None                        # language only: a lane's bridge broadcast
+    tp_dp_cp: object = None                     # language only: MoE expert-bias token counts
     ep: object = None                           # expert view (language only)
     etp: object = None
     edp: object = None                          # expert gradient reduction domain
-    etp_ep: object = None                       # token dispatcher domain
-    etp_ep_pp: object = None
     tp_rank: int = 0
     tp_size: int = 1
     cp_rank: int = 0
@@ -169,19 +163,16 @@ class Parallel:
         return " | ".join(parts) + f" rank{self.rank}"
 
 
-VISION_GROUPS = ["tp", "cp", "dp", "dp-cp", "tp-cp", "tp-dp", "tp-cp-dp-pp"]
-LM_GROUPS = ["tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-dp", "tp-dp-cp", "tp-cp-dp-pp"]
-EXPERT_GROUPS = ["ep", "etp", "edp", "etp-ep", "etp-ep-pp"]
-FIELD = {"dp-cp": "dp_cp", "tp-cp": "tp_cp", "tp-pp": "tp_pp", "tp-dp": "tp_dp", "tp-dp-cp": "tp_dp_cp",
-         "tp-cp-dp-pp": "whole", "etp-ep": "etp_ep", "etp-ep-pp": "etp_ep_pp"}
+VISION_GROUPS = ["tp", "dp-cp"]
+LM_GROUPS = ["tp", "cp", "dp-cp", "tp-cp", "tp-dp-cp"]
+EXPERT_GROUPS = ["ep", "etp", "edp"]
 
 
 def setup(lay, cfg=None):
-    """Build both grids and create every group of every grid on EVERY rank (new_group is collective over WORLD).
+    """Build both grids and create the groups the code uses on EVERY rank (new_group is collective over WORLD).
 
-    Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, cp, dp, dp-cp, tp-cp,
-    tp-dp, whole; language tp, cp, dp, pp, dp-cp, tp-cp, tp-pp, tp-dp, tp-dp-cp, whole; expert ep, etp, edp,
-    etp-ep, etp-ep-pp (pp is the base group); the bridge group (no embedding groups: with pp = 1 they would be
+    Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, dp-cp; language tp, cp,
+    dp-cp, tp-cp, tp-dp-cp; expert ep, etp, edp; the bridge group (no embedding groups: with pp = 1 they would be
     singletons). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
     same lists, so the sequence of new_group calls is still identical everywhere. With cfg every group gets torch's
     timeout watchdog.backstop(cfg.collective_timeout); each group is named for watchdog's messages.
@@ -193,8 +184,6 @@ def setup(lay, cfg=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == lay.world, f"layout is for {lay.world} ranks, WORLD_SIZE is {world}"
     vgrid, lgrid, egrid = vision_grid(lay), lm_grid(lay), expert_grid(lay)
-    # both views share pp with the same stride; checked, then the base pp group is reused
-    assert egrid.groups("pp") == lgrid.groups("pp"), "expert view must share the pp groups"
     par = Parallel(rank=rank, layout=lay)
     made = {}
 
@@ -214,7 +203,7 @@ def setup(lay, cfg=None):
         for dims in dims_list:
             g = create(f"{label} {dims}", grid.groups(dims))
             if m is not None:
-                setattr(m, FIELD.get(dims, dims), g)
+                setattr(m, dims.replace("-", "_"), g)
         if m is not None:
             for d, i in grid.coords(rank).items():
                 setattr(m, f"{d}_rank", i)
@@ -223,12 +212,11 @@ def setup(lay, cfg=None):
     par.vision = ModuleGroups("vision") if rank in vgrid else None
     par.lm = ModuleGroups("lm") if rank in lgrid else None
     fill(par.vision, "vision", vgrid, VISION_GROUPS)
-    if par.vision is not None:          # pp = 1: tp-pp = tp
-        par.vision.tp_pp = par.vision.tp
     fill(par.lm, "lm", lgrid, LM_GROUPS)
-    fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates; pp agrees with the base view
+    fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates
     if not lay.colocated:
-        # the lane broadcast groups (docs/parallel.md §6) are the grids' tp-cp groups here (pp = 1), created above
+        # the lane broadcast groups (docs/parallel.md §6) are vision tp (hetero: vision cp = 1) and language tp-cp
+        # here (pp = 1), created above
         leaders = sorted({lane[-1] for lane in lanes(vgrid)} | {lane[0] for lane in lanes(lgrid)})
         par.bridge = create("bridge", [leaders])
     return par

@@ -283,11 +283,6 @@ def hf_name(key):
     return "vision_model.radio_model.model." + special.get(key, key)
 
 
-def hf_names(keys):
-    """{our key: HF key} for an iterable of state-dict keys (e.g. VisionModel(cfg).state_dict())."""
-    return {k: hf_name(k) for k in keys}
-
-
 # ---------------------------------------------------------------- preprocessing (docs/vision.md §1, §8)
 
 def normalize(img_3HW):

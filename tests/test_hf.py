@@ -13,8 +13,11 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import config
 import hf_interop
+import layout
 import model
+import parallel
 import radio
+from tests.spawn import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny ('MEM*EM-E': Mamba, MoE, attention, dense MLP) and a variant with wider routing (top-6 of 16),
@@ -89,22 +92,40 @@ def test_save_load_model_full_names(tmp_path):
     lm_sd = checkpoint.language_state_dict(sd2)
     assert sorted(lm_sd) == sorted(lm.state_dict())
     lm2 = model.LanguageModel(cfg2)
-    checkpoint.load_into(lm2, lm_sd, str(tmp_path))
+    lm2.load_state_dict(lm_sd)
     assert torch.equal(lm2.backbone.layers[1].mixer.experts.up_proj, lm.backbone.layers[1].mixer.experts.up_proj)
+
+
+def _load_errors(rank, world, cases):
+    """What checkpoint.load (train.py --load) raises for each (checkpoint, Config of the run's model), or None."""
+    out = []
+    for path, cfg in cases:
+        par = parallel.setup(layout.plan(cfg, 1), cfg)
+        try:
+            checkpoint.load(path, par, {"language": model.LanguageModel(cfg)}, cfg=cfg)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            out.append(None)
+    return out
 
 
 def test_errors_name_file_and_tensor(tmp_path):
     cfg, lm = build_lm()
     with pytest.raises(FileNotFoundError, match="nowhere/meta.json: missing"):
         checkpoint.load_model(tmp_path / "nowhere")
-    checkpoint.save_model(tmp_path, cfg, {"language." + k: v for k, v in lm.state_dict().items()})
-    sd = checkpoint.language_state_dict(checkpoint.load_model(tmp_path)[1])
-    wider = model.LanguageModel(config.resolve("tiny", {"hidden_size": 96}))
-    with pytest.raises(ValueError, match=r"ckpt/x: tensor backbone\.embeddings\.weight has shape \[512, 64\]"):
-        checkpoint.load_into(wider, sd, "ckpt/x")
-    del sd["lm_head.weight"]
-    with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight"):
-        checkpoint.load_into(lm, sd, "ckpt/x")
+    sd = full(lm.state_dict())
+    checkpoint.save_model(tmp_path / "good", cfg, sd)
+    checkpoint.save_model(tmp_path / "short", cfg, {k: v for k, v in sd.items() if k != "language.lm_head.weight"})
+    checkpoint.save_model(tmp_path / "extra", cfg, {**sd, "language.backbone.bogus": torch.zeros(2)})
+    wider = config.resolve("tiny", {"hidden_size": 96})
+    (errors,) = run_distributed(_load_errors, 1, [(tmp_path / d, c) for d, c in (
+        ("good", cfg), ("good", wider), ("short", cfg), ("extra", cfg))])
+    assert errors == [
+        None,
+        f"{tmp_path}/good/config.json: config mismatch: hidden_size is 64 in the checkpoint, 96 in this run",
+        f"{tmp_path}/short/meta.json: missing tensor language.lm_head.weight",
+        f"{tmp_path}/extra/meta.json: unexpected tensors ['language.backbone.bogus'] (not in this run's model)"]
 
 
 # ---------------------------------------------------------------- HF export / import round trip
@@ -260,7 +281,7 @@ def test_import_of_transformers_save_pretrained(tmp_path, latent):
     assert cfg.hybrid_override_pattern == "M*EM-E" and cfg.moe_shared_expert_intermediate_size == 48
     assert cfg.init_std == 0.02 and cfg.intermediate_size == 40 and cfg.moe_latent_size == latent
     lm = model.LanguageModel(cfg)
-    checkpoint.load_into(lm, sd, str(tmp_path))
+    lm.load_state_dict(sd)
     lm.eval()
     ids = random_ids(cfg, seed=1)
     with torch.no_grad():

@@ -110,8 +110,8 @@ def batch(cfg):
 @torch.no_grad()
 def our_logits(cfg, sd, ids, patches, grids):
     vision, lm = radio.VisionModel(cfg).eval(), model.LanguageModel(cfg).eval()
-    checkpoint.load_into(vision, {k[7:]: v for k, v in sd.items() if k.startswith("vision.")}, "test")
-    checkpoint.load_into(lm, checkpoint.language_state_dict(sd), "test")
+    vision.load_state_dict({k[7:]: v for k, v in sd.items() if k.startswith("vision.")})
+    lm.load_state_dict(checkpoint.language_state_dict(sd))
     rows = vision(patches, grids)
     h = model.place_images(lm.embed(ids), ids, rows, [sum(a * b // 4 for a, b in grids), 0], cfg.image_token_id)
     return lm.logits(lm(h))
@@ -290,7 +290,7 @@ def test_vision_hf_adds_a_radio_tower(tmp_path):
     cfg2, sd = hf_interop.import_hf(tmp_path / "lm", preset="tiny", vision_hf=tmp_path / "radio")
     assert cfg2.projector_hidden == 16 * 32 and sd["vision.mlp1.1.weight"].std() > 0
     vision = radio.VisionModel(cfg2).eval()
-    checkpoint.load_into(vision, {k[7:]: v for k, v in sd.items() if k.startswith("vision.")}, "test")
+    vision.load_state_dict({k[7:]: v for k, v in sd.items() if k.startswith("vision.")})
     grids = [(4, 6), (2, 2)]
     patches = [radio.patchify(radio.normalize(image(16 * h, 16 * w, i)), 16) for i, (h, w) in enumerate(grids)]
     tower.make_preprocessor_external()   # as the Omni model does: inputs come CLIP-normalised

@@ -83,16 +83,16 @@ def test_resume_merged_export_and_adapters_only(tmp_path, one_process):
     cfg, sd = checkpoint.load_model(save)
     merged = checkpoint.language_state_dict(lora.merge(sd, 8.0))
     plain = model.LanguageModel(cfg)
-    checkpoint.load_into(plain, merged, save)
+    plain.load_state_dict(merged)
     adapted = model.LanguageModel(cfg)
     lora.apply({"language": adapted}, train.config_of(LORA))
-    checkpoint.load_into(adapted, checkpoint.language_state_dict(sd), save)
+    adapted.load_state_dict(checkpoint.language_state_dict(sd))
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = adapted.logits(adapted(adapted.embed(ids))), plain.logits(plain(plain.embed(ids)))
     assert (want - got).abs().max() < 1e-5 * want.abs().max()
     base = model.LanguageModel(cfg)
-    checkpoint.load_into(base, checkpoint.language_state_dict({k: v for k, v in sd.items() if "lora_" not in k}), save)
+    base.load_state_dict(checkpoint.language_state_dict({k: v for k, v in sd.items() if "lora_" not in k}))
     with torch.no_grad():
         assert (want - base.logits(base(base.embed(ids)))).abs().max() > 1e-3 * want.abs().max()   # adapters act
 

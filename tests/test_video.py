@@ -102,8 +102,8 @@ def test_video_forward_equals_transformers(omni, tmp_path):
 
     def ours(sd):
         vision, lm = radio.VisionModel(cfg).eval(), model.LanguageModel(cfg).eval()
-        checkpoint.load_into(vision, {k[7:]: v for k, v in sd.items() if k.startswith("vision.")}, "test")
-        checkpoint.load_into(lm, checkpoint.language_state_dict(sd), "test")
+        vision.load_state_dict({k[7:]: v for k, v in sd.items() if k.startswith("vision.")})
+        lm.load_state_dict(checkpoint.language_state_dict(sd))
         with torch.no_grad():
             h = model.place_images(lm.embed(ids), ids, vision(patches, grids, frames), rows, IMAGE_ID)
             return lm.logits(lm(h))

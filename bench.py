@@ -34,6 +34,7 @@ import types
 import torch
 import torch.distributed as dist
 
+import cli
 import config
 import model
 import optim
@@ -290,7 +291,7 @@ def main(argv=None):
     p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
                    "--mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
-    cfg, overrides = train.config_of(["--preset", args.preset] + rest), " ".join(rest)
+    cfg, overrides = cli.config_of(["--preset", args.preset] + rest), " ".join(rest)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.profile and dev.type != "cuda":
         raise SystemExit("--profile times CUDA kernels: it needs a GPU")

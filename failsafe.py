@@ -2,7 +2,7 @@
 steps, ranks that lost a peer (requeue: resume.py; argument checks: config.check).
 
 Signals: SIGINT / SIGTERM / SIGHUP only set a flag once training or an evaluation runs (the first one counts; later
-ones cannot cut the save short); before that (set-up), train.cli installs `interrupt`, which ends the process with
+ones cannot cut the save short); before that (set-up), cli.run installs `interrupt`, which ends the process with
 one line. Every rank calls Stop() at the same micro-batch boundaries (a one-int all-reduce on a gloo group, so no
 GPU sync); once any rank was signalled, all abandon the step in progress (abandon_step: the bridge traffic in flight
 is matched, gradients, expert counts, RNG and data position go back to the step's start) or the evaluation in
@@ -36,7 +36,7 @@ import watchdog
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # a scheduler, Ctrl-C, a closed terminal / torchrun
 interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
-taken = 0         # the first of SIGNALS this process took since its Stop was made (0: none; read by train.cli)
+taken = 0         # the first of SIGNALS this process took since its Stop was made (0: none; read by cli.run)
 
 
 # ---------------------------------------------------------------- streams
@@ -153,7 +153,7 @@ def exit_status():
 
 def peer_gone(error, rank):
     """The line for a collective that failed because another rank's process ended first (gloo: its connection
-    closed), else None. That rank's own output says why; train.cli lets rank 0 alone print it."""
+    closed), else None. That rank's own output says why; cli.run lets rank 0 alone print it."""
     found = re.search(r"Connection (closed|reset) by peer|Broken pipe", str(error))
     if not isinstance(error, RuntimeError) or found is None:
         return None

@@ -21,14 +21,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
-import train  # noqa: E402
+import cli  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="20l")
     args, rest = p.parse_known_args()
-    cfg = train.config_of(["--preset", args.preset] + rest)
+    cfg = cli.config_of(["--preset", args.preset] + rest)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_idle.py profiles CUDA kernels: it needs a GPU")
     fwd_bwd = bench.lm_fwd_bwd(cfg, 1, torch.device("cuda"))

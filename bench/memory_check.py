@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import layout  # noqa: E402
-import train  # noqa: E402
+import cli  # noqa: E402
 
 E16 = ["--preset", "20l", "--n-routed-experts", "16"]
 CONFIGS = {   # name: (GPUs, train.py arguments)
@@ -41,7 +41,7 @@ CONFIGS = {   # name: (GPUs, train.py arguments)
 
 def kinds_of_ranks(argv, world):
     """["vision" | "language" | "both"] per rank of this layout."""
-    lay = layout.plan(train.config_of(argv), world)
+    lay = layout.plan(cli.config_of(argv), world)
     return ["both" if lay.colocated else "vision" if r < lay.vision_size else "language" for r in range(world)]
 
 

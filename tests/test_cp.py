@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+import cli
 import comm
 import config
 import cp
@@ -148,7 +149,7 @@ def step_data(tmp_path_factory):
     path = packed_data(tmp_path_factory.mktemp("cp"))
     argv = ["--preset", "tiny", "--data", path, "--pack", "--steps", "1", "--global-batch", "4", "--stage", "3",
             "--lr", "3e-4", "--lr-schedule", "constant"] + GROUPS4
-    cfg = train.config_of(argv)
+    cfg = cli.config_of(argv)
     ds, _ = data.build(cfg, data.ByteTokenizer(cfg.vocab_size, cfg.image_token_id), False)
     rows = [ds[i] for i in range(4)]
     images = [(s.input_ids == cfg.image_token_id).nonzero().squeeze(1).tolist() for s in rows]

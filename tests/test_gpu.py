@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import cli
 import config
 import model
 import moe
@@ -361,7 +362,7 @@ def test_set_up_peak_is_bf16_weights_plus_one_draw():
     assert all(t.dtype == torch.bfloat16 for m in modules.values() for t in m.parameters())
     weights = sum(t.numel() * t.element_size() for t in tensors)
     draw = 4 * 131072 * 256
-    cfg = train.config_of(argv)
+    cfg = cli.config_of(argv)
     planned = memory.plan(cfg, layout.plan(cfg, 1))["language"]["setup"]
     print(f"set-up peak {peaks[0] / 2**20:.1f} MiB: weights {weights / 2**20:.1f} + draw {draw / 2**20:.1f} MiB; "
           f"planned {planned / 2**20:.1f} MiB")

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+import cli
 import comm
 import layout
 import lora
@@ -42,7 +43,7 @@ def digest(state):
 def reference(argv):
     """{full name: tensor} of the whole model in one process, fp32 on the CPU, each module built in full and drawn
     by its own init (VisionModel.reset_parameters, model.init_weights), the adapters drawn by name."""
-    cfg = train.config_of(argv)
+    cfg = cli.config_of(argv)
     modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
     model.init_weights(modules["language"], cfg.seed + model.SEED, {}, cfg)
     if cfg.lora_rank:
@@ -121,7 +122,7 @@ def test_cuda_dtypes_are_the_plans(extra):
     """The dtypes init.py allocates on CUDA (optim.weight_dtypes) hold the bytes memory.py plans for the weights of
     one colocated rank: bf16, except trained weights optim keeps fp32 (experts at edp 1 under activation
     checkpointing; everything with the plain optimizer)."""
-    cfg = train.config_of(["--preset", "tiny", *extra])
+    cfg = cli.config_of(["--preset", "tiny", *extra])
     modules = memory.sizing_model(cfg)
     one_rank = types.SimpleNamespace(vision=parallel.ModuleGroups("vision"), lm=parallel.ModuleGroups("lm"))
     dtypes = optim.weight_dtypes(one_rank, modules["vision"], modules["language"], cfg, torch.device("cuda"))

@@ -4,10 +4,10 @@ import dataclasses
 import pytest
 import torch
 
+import cli
 import config
 import layout
 import memory
-import train
 
 GIB = memory.GIB
 H100 = 80 * GIB
@@ -82,7 +82,7 @@ def test_tiny_on_1_2_4_ranks():
 def test_bytes_moved_by_hand():
     """tiny with one attention and one MoE layer (T 96 tokens of D 64, top 2 of 8 experts), stage 2 (the tower is
     frozen: forward only), global batch 8 on 2 ranks."""
-    cfg = train.config_of(["--preset", "tiny", "--hybrid-override-pattern", "*E"])
+    cfg = cli.config_of(["--preset", "tiny", "--hybrid-override-pattern", "*E"])
     T, D = 96, 64
     at = {(c.lm_tp, c.lm_ep, c.lm_etp): c for c in layout.candidates(cfg, 2) if c.lm_cp == 1}
     # tp2 ep2 (dp 1, edp 1: no gradient traffic), 8 micro-batches. A 2-rank all-reduce sends the whole buffer, an
@@ -134,7 +134,7 @@ def test_none_fits_names_the_fix():
 
 
 def test_given_layout_that_does_not_fit_is_refused():
-    cfg = train.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "4"])
+    cfg = cli.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "4"])
     with pytest.raises(SystemExit) as e:
         layout.plan(cfg, 8, H100)
     msg = str(e.value)
@@ -143,7 +143,7 @@ def test_given_layout_that_does_not_fit_is_refused():
         "has that it may use. Use more ranks" in msg, msg
     assert dims(layout.plan(cfg, 8, H100, strict=False)) == (True, 2, 4, 2, 4, 4, 1, 1)   # the dry run shows it
     assert dims(layout.plan(cfg, 8)) == (True, 2, 4, 2, 4, 4, 1, 1)                       # no capacity: no check
-    ok = train.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "8"])
+    ok = cli.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "8"])
     assert layout.plan(ok, 8, H100) == layout.plan(config.resolve("nano"), 8, H100)
 
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
+import cli
 import hf_interop
 import lora
 import model
@@ -85,7 +86,7 @@ def test_resume_merged_export_and_adapters_only(tmp_path, one_process):
     plain = model.LanguageModel(cfg)
     plain.load_state_dict(merged)
     adapted = model.LanguageModel(cfg)
-    lora.apply({"language": adapted}, train.config_of(LORA))
+    lora.apply({"language": adapted}, cli.config_of(LORA))
     adapted.load_state_dict(checkpoint.language_state_dict(sd))
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

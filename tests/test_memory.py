@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
+import cli
 import config
 import layout
 import memory
-import train
 from radio import VisionModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +20,7 @@ ARGV = ["--preset", "tiny", "--hybrid-override-pattern", "*E", "--stage", "3", "
 
 
 def _cfg_lay(extra=()):
-    cfg = train.config_of(ARGV + list(extra))
+    cfg = cli.config_of(ARGV + list(extra))
     return cfg, layout.plan(cfg, 4)
 
 
@@ -73,7 +73,7 @@ def test_language_activations_under_cp_by_hand():
     largest exchange's send and receive buffers (here Mamba's in_proj rows: 2 x 128 + 2 x 4 x 16 + 8 wide)."""
     D = 64
     for cp in (2, 4):
-        cfg = train.config_of(["--preset", "tiny", "--hybrid-override-pattern", "M*E", "--n-groups", "4",
+        cfg = cli.config_of(["--preset", "tiny", "--hybrid-override-pattern", "M*E", "--n-groups", "4",
                                "--stage", "3", "--vision-dp", "1", "--lm-dp", "1", "--lm-cp", str(cp)])
         lay = layout.plan(cfg, 1 + cp)
         T = 96 // cp
@@ -118,7 +118,7 @@ def test_dry_run_cli_last_line():
         assert out.returncode == 0, out.stderr
         lines = out.stdout.strip().splitlines()
         last = json.loads(lines[-1])
-        cfg = train.config_of(argv)
+        cfg = cli.config_of(argv)
         lay = layout.plan(cfg, world, gib * memory.GIB)
         rows = memory.plan(cfg, lay)
         assert last["layout"] == lay.describe()
@@ -180,7 +180,7 @@ def test_set_up_stays_under_the_training_peak_on_the_presets():
     cases = ((["--preset", "nano"], 8), (["--preset", "nano", "--lora-rank", "8", "--activation-checkpointing"], 1),
              (["--preset", "super", "--lora-rank", "8", "--global-batch", "64"], 8))
     for argv, world in cases:
-        cfg = train.config_of(argv)
+        cfg = cli.config_of(argv)
         lay = layout.plan(cfg, world, 80 * memory.GIB)
         rows = memory.plan(cfg, lay)
         assert all(r["setup"] < r["peak"] for r in rows.values()), (argv, rows)

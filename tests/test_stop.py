@@ -1,4 +1,4 @@
-"""Every stop saves, and says so once (failsafe.py, train.cli): a signal during an evaluation saves the step before
+"""Every stop saves, and says so once (failsafe.py, cli.run): a signal during an evaluation saves the step before
 it, SIGHUP as SIGTERM, a signal before training is one line, an interrupted --eval-only is one line, and a rank whose
 peer ended with an error stays silent."""
 import json
@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import cli
 import data
 import failsafe
 import mock
@@ -77,7 +78,7 @@ def test_interrupted_eval_only_is_one_line_and_names_its_data(tmp_path, capfd):
 
 
 def _cli_signalled_in_set_up(rank, world, argv, sig):
-    """train.cli with `sig` arriving while the mock data is set up -> its exit status."""
+    """cli.run with `sig` arriving while the mock data is set up -> its exit status."""
     real = mock.MockData.__init__
 
     def interrupt(self, *a, **k):
@@ -85,7 +86,7 @@ def _cli_signalled_in_set_up(rank, world, argv, sig):
         real(self, *a, **k)
     mock.MockData.__init__ = interrupt
     try:
-        train.cli(list(argv))
+        cli.run(train.main, list(argv))
     except SystemExit as e:
         return e.code
     finally:

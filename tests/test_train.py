@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 import comm
 import config
 import layout
@@ -217,7 +218,7 @@ def test_text_only_mixing_matches_one_process():
 # ---------------------------------------------------------------- 4. LR schedules (closed form, by hand)
 
 def lr_at(flags, it, samples=0):
-    return train.learning_rate(train.config_of(flags), it, samples)
+    return train.learning_rate(cli.config_of(flags), it, samples)
 
 
 def test_cosine_schedule():
@@ -321,7 +322,7 @@ def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
     argv = ["--preset", "tiny", "--steps", "4", "--global-batch", str(GB), "--lr", "1e-3", "--min-lr", "0",
             "--lr-schedule", "cosine", "--vision-dp", "1", "--lm-dp", "2"] + schedule
     results = run_distributed(_train_with_snapshots, 3, argv, timeout=60.0)
-    cfg = train.config_of(argv)
+    cfg = cli.config_of(argv)
     lrs = [train.learning_rate(cfg, it, it * GB) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
     assert len(set(lrs)) == 3, lrs
     for rank, (history, snapshots) in enumerate(results):
@@ -425,7 +426,7 @@ def test_dry_run_prints_sizes():
 # ---------------------------------------------------------------- 8. the command line
 
 def _threads_in_main(rank, world, omp):
-    """torch's thread count when train.cli calls main, with OMP_NUM_THREADS = omp (None: unset), on 2 threads before."""
+    """torch's thread count when cli.run calls train.main, with OMP_NUM_THREADS = omp (None: unset), on 2 threads before."""
     if omp is None:
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
@@ -433,7 +434,7 @@ def _threads_in_main(rank, world, omp):
     torch.set_num_threads(2)
     seen = []
     train.main = lambda argv: seen.append(torch.get_num_threads())   # this forked child only
-    train.cli([])
+    cli.run(train.main, [])
     return seen
 
 
@@ -445,7 +446,7 @@ def test_a_cpu_run_without_torchrun_uses_one_thread():
 
 def test_hf_epochs_flag_is_answered_with_steps():
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--num_train_epochs", "3"])
+        cli.parse_args(["--num_train_epochs", "3"])
     assert str(e.value) == ("unknown flag --num-train-epochs. Use --steps (epochs x the data's samples / "
                             "--global-batch: a run counts steps, and --train-samples sets only a sample-based LR "
                             "schedule)")

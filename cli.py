@@ -1,0 +1,146 @@
+"""train.py's command line: its flags (every Config field, config.add_arguments, plus the invocation's own), the
+answers to flags users bring from elsewhere (ALIASES), and run(): a run's user error printed as one line
+`error: <cause>. <fix>` by one rank, exit status 2; a signal before training one line, 128 + the signal; a CPU run
+without torchrun on one thread, as torchrun sets."""
+import argparse
+import difflib
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+
+import torch
+
+import config
+import data
+import failsafe
+
+DESCRIPTION = "Train the VLM:  torchrun --nproc_per_node=N train.py --preset P [--FIELD VALUE ...]"
+ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see cli)
+
+
+def parse_args(argv=None):
+    """-> (the invocation's own flags, {Config field: value} of the flags given; config.add_arguments)."""
+    p = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False, epilog="Every Config field "
+                                "(config.py) is a flag, e.g. --seq-len 128 --hidden-size 256.")
+    p.add_argument("--load", default=None, help="resume DIR's run (its newest step) or DIR/step_N, any layout; or start "
+                   "from an HF nemotron_h_omni / nemotron_h directory (resume.py)")
+    p.add_argument("--finetune", action="store_true", help="with --load of a checkpoint: a new run from its weights "
+                   "(fresh optimizer, counters)")
+    p.add_argument("--no-load-optim", action="store_true")
+    p.add_argument("--no-load-rng", action="store_true")
+    p.add_argument("--eval-only", action="store_true", help="evaluate (the --load checkpoint), print JSON, exit")
+    p.add_argument("--dry-run", action="store_true", help="print sizes and the memory plan per rank (memory.py), exit")
+    p.add_argument("--world-size", type=int, default=None, help="with --dry-run: plan for N ranks (default WORLD_SIZE)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="with --dry-run: GiB of one device the layout must "
+                   "fit (a run uses its device's)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a user error")
+    config.add_arguments(p)
+    p.error = lambda message: exit_usage(message)   # one line, one rank, like every user error (see cli)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    inv, rest = p.parse_known_args([_dashes(a) for a in argv])
+    if rest:
+        unknown_flag(rest[0], p)
+    given = config.given(inv)
+    for k in given:
+        delattr(inv, k)
+    return inv, given
+
+
+def config_of(argv):
+    """The Config of a command line that loads nothing (tests, bench.py)."""
+    return config.resolve(*(lambda given: (given.get("preset", config.Config.preset), given))(parse_args(argv)[1]))
+
+
+def _dashes(arg):
+    """--seq_len -> --seq-len (both spellings are accepted; values are left alone)."""
+    if not arg.startswith("--"):
+        return arg
+    key, eq, value = arg.partition("=")
+    return key.replace("_", "-") + eq + value
+
+
+def exit_usage(message):
+    raise SystemExit(f"{message}. See --help")
+
+
+# Flags users bring from HF Trainer, torchtitan (its TOML keys as --section.key) and Megatron-LM, by what they mean
+# here (after _dashes: underscores are dashes).
+ALIASES = {
+    "learning-rate": "--lr", "max-steps": "--steps", "train-iters": "--steps", "training.steps": "--steps",
+    "output-dir": "--save", "save-dir": "--save", "checkpoint.folder": "--save", "job.dump-folder": "--save",
+    "resume-from-checkpoint": "--load", "model-name-or-path": "--load (an HF directory)", "optimizer.lr": "--lr",
+    "per-device-train-batch-size": "--micro-batch", "micro-batch-size": "--micro-batch",
+    "global-batch-size": "--global-batch", "training.global-batch-size": "--global-batch",
+    "training.local-batch-size": "--micro-batch",
+    "gradient-accumulation-steps": "--global-batch (samples a step = micro-batch x data parallel x accumulation)",
+    "warmup-steps": "--lr-warmup-iters", "lr-warmup-steps": "--lr-warmup-iters", "lr-scheduler.warmup-steps":
+    "--lr-warmup-iters", "lr-scheduler-type": "--lr-schedule", "lr-decay-style": "--lr-schedule",
+    "max-grad-norm": "--clip-grad", "training.max-norm": "--clip-grad", "seq-length": "--seq-len",
+    "training.seq-len": "--seq-len", "max-seq-length": "--seq-len", "gradient-checkpointing":
+    "--activation-checkpointing", "recompute-activations": "--activation-checkpointing",
+    "activation-checkpoint.mode": "--activation-checkpointing", "logging-steps": "--log-every",
+    "log-interval": "--log-every", "save-steps": "--save-every", "save-interval": "--save-every",
+    "eval-steps": "--eval-every", "eval-interval": "--eval-every", "save-total-limit": "--keep-last",
+    "dataset": "--data", "data-path": "--data", "train-data-path": "--data", "tokenizer-model": "--tokenizer",
+    "tokenizer-name-or-path": "--tokenizer", "tensor-model-parallel-size": "--lm-tp",
+    "parallelism.tensor-parallel-degree": "--lm-tp", "expert-model-parallel-size": "--lm-ep",
+    "parallelism.expert-parallel-degree": "--lm-ep", "parallelism.data-parallel-shard-degree": "--lm-dp",
+    "use-distributed-optimizer": "--distributed-optimizer (the default)", "report-to": "--tensorboard DIR or "
+    "--wandb PROJECT", "lora-r": "--lora-rank", "bf16": "no flag: CUDA runs train in bf16 already",
+    "num-train-epochs": "--steps (epochs x the data's samples / --global-batch: a run counts steps, and "
+    "--train-samples sets only a sample-based LR schedule)",
+}
+
+
+def unknown_flag(arg, parser):
+    """A flag that is none of ours: one that means something here (ALIASES), or a typo of the closest one."""
+    if not arg.startswith("--"):
+        raise SystemExit(f"unexpected argument {arg!r}. See --help")
+    key = arg[2:].partition("=")[0]
+    if key in ALIASES:
+        raise SystemExit(f"unknown flag --{key}. Use {ALIASES[key]}")
+    names = [f[2:] for f in parser._option_string_actions if f.startswith("--")]
+    close = difflib.get_close_matches(key, names, 1)
+    raise SystemExit(f"unknown flag --{key}. " + (f"Did you mean --{close[0]}?" if close else "See --help"))
+
+
+def run(main, argv=None):
+    """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed as one line
+    `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
+    its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone) keeps
+    quiet the same way: that rank says why. A signal before training starts (failsafe.Stop takes them from then
+    on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
+    rank = int(os.environ.get("RANK", 0))
+    for sig in failsafe.SIGNALS:
+        signal.signal(sig, failsafe.interrupt)
+    if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
+        torch.set_num_threads(1)   # as torchrun does: more threads collapse (5-16x a step) on shared cores
+    try:
+        main(argv)
+    except failsafe.Interrupted as e:
+        if rank == 0:
+            print(f"interrupted by {e.name} before training started: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
+    except (SystemExit, data.BadSample, RuntimeError) as e:
+        if isinstance(e, SystemExit):
+            msg = e.code
+        elif isinstance(e, RuntimeError):
+            msg = failsafe.peer_gone(e, rank)
+        else:   # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
+            bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
+            msg = f"{bad_line}. Fix the line or pass --skip-bad-samples"
+        if not isinstance(msg, str):              # --help, a plain exit status, any other RuntimeError
+            raise
+        if "--debug" in (sys.argv[1:] if argv is None else argv):
+            traceback.print_exc()
+        if rank != 0:   # rank 0 most likely failed too (or first): its exit makes torchrun end this process (its
+            for sig in (signal.SIGTERM, signal.SIGHUP):   # signal, which failsafe.Stop would only note); if not,
+                signal.signal(sig, signal.SIG_DFL)         # the error was this rank's only
+            if failsafe.taken:   # torchrun's signal came first: it is ending the run
+                sys.exit(128 + failsafe.taken)
+            time.sleep(ERROR_GRACE_S)
+        print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
+        sys.exit(2)

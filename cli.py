@@ -18,15 +18,15 @@ import data
 import failsafe
 
 DESCRIPTION = "Train the VLM:  torchrun --nproc_per_node=N train.py --preset P [--FIELD VALUE ...]"
-ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see cli)
+ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see run)
 
 
 def parse_args(argv=None):
     """-> (the invocation's own flags, {Config field: value} of the flags given; config.add_arguments)."""
     p = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False, epilog="Every Config field "
                                 "(config.py) is a flag, e.g. --seq-len 128 --hidden-size 256.")
-    p.add_argument("--load", default=None, help="resume DIR's run (its newest step) or DIR/step_N, any layout; or start "
-                   "from an HF nemotron_h_omni / nemotron_h directory (resume.py)")
+    p.add_argument("--load", default=None, help="resume DIR's run (its newest step) or DIR/step_N, any layout; or "
+                   "start from an HF nemotron_h_omni / nemotron_h directory (resume.py)")
     p.add_argument("--finetune", action="store_true", help="with --load of a checkpoint: a new run from its weights "
                    "(fresh optimizer, counters)")
     p.add_argument("--no-load-optim", action="store_true")
@@ -108,11 +108,12 @@ def unknown_flag(arg, parser):
 
 
 def run(main, argv=None):
-    """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed as one line
-    `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug shows
-    its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone) keeps
-    quiet the same way: that rank says why. A signal before training starts (failsafe.Stop takes them from then
-    on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
+    """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed
+    as one line `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2;
+    --debug shows its traceback. A rank that fails in a collective because another rank ended first
+    (failsafe.peer_gone) keeps quiet the same way: that rank says why. A signal before training starts
+    (failsafe.Stop takes them from then on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread
+    per process, as torchrun sets."""
     rank = int(os.environ.get("RANK", 0))
     for sig in failsafe.SIGNALS:
         signal.signal(sig, failsafe.interrupt)

@@ -155,9 +155,8 @@ def peer_gone(error, rank):
     """The line for a collective that failed because another rank's process ended first (gloo: its connection
     closed), else None. That rank's own output says why; cli.run lets rank 0 alone print it."""
     found = re.search(r"Connection (closed|reset) by peer|Broken pipe", str(error))
-    if not isinstance(error, RuntimeError) or found is None:
-        return None
-    return f"rank {rank}: another rank ended while this one waited on it ({found.group(0)}). Its output says why"
+    return found and f"rank {rank}: another rank ended while this one waited on it ({found.group(0)}). Its output " \
+        "says why"
 
 
 # ---------------------------------------------------------------- samples that fail at load time

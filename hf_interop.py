@@ -335,7 +335,6 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
         weight_map = {k: name for keys, name in zip(shards, names) for k in keys}
         checkpoint.write_atomic(os.path.join(out_dir, INDEX_NAME),
                                 {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _drop_stale_shards(out_dir, names + [INDEX_NAME] * (len(shards) > 1))
 
 
 def _drop_stale_shards(out_dir, written):

@@ -62,11 +62,6 @@ def peak_tflops(device):
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-LR_FIELDS = ("lr", "min_lr", "lr_schedule", "lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters",
-             "lr_wsd_decay_style", "train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples",
-             "steps", "global_batch")   # what learning_rate / step_lr read
-
-
 def step_lr(cfg, counters):
     """The LR of the step after `counters` (skipped steps advance neither steps nor samples)."""
     return learning_rate(cfg, counters["good_steps"], counters["good_steps"] * cfg.global_batch)
@@ -75,9 +70,10 @@ def step_lr(cfg, counters):
 def schedule_change(cfg, saved, counters, where):
     """A resumed run whose flags change the LR schedule moves its LR at once (e.g. a longer --steps re-stretches the
     cosine): print the LR at the resume step under both."""
-    if any(getattr(cfg, k) != getattr(saved, k) for k in LR_FIELDS):
-        print(f"{where}: the learning rate at step {counters['step'] + 1} is {step_lr(cfg, counters):.3g} (it "
-              f"was {step_lr(saved, counters):.3g} under the saved schedule)", flush=True)
+    now, before = step_lr(cfg, counters), step_lr(saved, counters)
+    if now != before:
+        print(f"{where}: the learning rate at step {counters['step'] + 1} is {now:.3g} (it was {before:.3g} under "
+              "the saved schedule)", flush=True)
 
 
 def learning_rate(cfg, it, samples):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import cli
 import config
+import logs
 import model
 import optim
 import parallel
@@ -296,7 +297,7 @@ def main(argv=None):
     if args.profile and dev.type != "cuda":
         raise SystemExit("--profile times CUDA kernels: it needs a GPU")
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    peak = train.peak_tflops(dev)
+    peak = logs.peak_tflops(dev)
     torch.backends.cuda.matmul.allow_tf32 = True
     results = {}
     parts = args.parts.split(",")

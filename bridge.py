@@ -1,5 +1,25 @@
-"""The encoder -> language bridge (docs/parallel.md §6, §7): encoder rows to the language lanes that
-own their samples, gradients back, run as 1F1B on the encoder. Layout, grids and lanes come from parallel.py.
+"""The encoder -> language bridge (docs/parallel.md §6, §7, §9): encoder rows to the language lanes that own their
+samples, gradients back. Layout, grids and lanes come from parallel.py; schedule.py, its one caller, runs it in 1F1B.
+
+A link joins every (vision lane, language lane) pair whose shares of a micro-batch overlap and carries exactly the
+overlap (bridge_links): fan-out, fan-in and 1:1 all fall out of that one rule. The vision lane's leader (its LAST tp
+rank) sends each link a header int64[micro-batch, dtype, rows, D, rows of each sample], then the payload; the
+language lane's leader (tp and cp rank 0) receives its links in lane order and broadcasts both in its lane's tp-cp
+group (each cp rank places the rows its positions hold: model.place_images). Backward runs the links in reverse,
+without a header (both leaders recorded the row counts): the language leader sums the gradient over cp and sends
+each link its slice; the vision leader broadcasts it in its tp group, and every vision tp rank runs
+rows.backward(grad). Colocated, send keeps the rows and recv returns that very tensor (autograd flows straight into
+the encoder); send_grad and backward_encoder do nothing.
+
+  vision ranks:    bridge.send(rows, rows_per_sample)     # rows [R, D] of this lane's samples, in sample order
+                   bridge.backward_encoder()              # the oldest in flight: its gradient, rows.backward
+  language ranks:  x, rows_per_sample = bridge.recv()     # [R_lane, D], a leaf requiring grad, same on all tp
+                   ... loss.backward(); bridge.send_grad()
+The NCCL rules (§9): every transfer is a batch on the bridge group's one communicator; every link is opened in both
+directions when the Bridge is built (set-up, where all leaders meet), since a pair's first transfer blocks the host;
+transfers between two ranks run in the order posted, so the encoder posts the receive of gradient m before the send
+of micro-batch m + 1 (the language leader sends gradient m before it receives m + 1). A text-only micro-batch still
+sends one header per link; its 0-row payload and gradient are posted by neither side (both know the size).
 """
 from dataclasses import dataclass
 
@@ -7,41 +27,6 @@ import torch
 import torch.distributed as dist
 
 from parallel import lane_samples, lanes, lm_grid, vision_grid
-
-# A global microbatch holds mbs * lm_dp samples. Language lane j owns [j*mbs, (j+1)*mbs); vision lane e owns the
-# contiguous share [e*s, (e+1)*s), s = mbs*lm_dp/vision_dp. A link joins every (vision lane, language lane) pair
-# whose shares overlap and carries exactly the overlap: fan-out (vision lane e feeds language lanes [e*k,(e+1)*k)),
-# fan-in (language lane j gets vision lanes [j*k,(j+1)*k) in lane order) and 1:1 all fall out of that one rule.
-#
-# Encoder rows are [rows, D] with a variable row count per sample (dynamic resolution; 0 for text-only samples).
-# The encoder lane leader (its LAST tp rank) sends each link a header int64[microbatch, dtype, rows, D, rows of each
-# sample] and then the payload, point to point over the bridge group. The language lane leader (tp and cp rank 0)
-# receives its links in lane order, concatenates, and broadcasts header and payload in its lane's tp-cp group (each cp
-# rank places the rows its positions hold: model.place_images). Backward runs the same links in reverse: the
-# language leader sums the gradient over its cp ranks, sends each link its slice of it, the encoder leader
-# concatenates and broadcasts it in the encoder lane's tp group, and every encoder tp rank runs rows.backward(grad).
-# Backward needs no header: both leaders recorded the per-link row counts in forward.
-#
-# API. The encoder runs 1F1B (docs/parallel.md §7): forward m+1 is sent before backward m, so it overlaps the
-# language side's forward+backward of m; at most two microbatches are in flight.
-#   encoder ranks:  rows = encoder(images)                 # [R, D]: this vision lane's samples, in sample order
-#                   bridge.send(rows, rows_per_sample)      # leader sends; every tp rank keeps rows for backward
-#                   if bridge.in_flight == 2:
-#                       bridge.backward_encoder()           # oldest microbatch: receive its gradient, rows.backward
-#                   ... after the last microbatch: backward_encoder() while in_flight
-#   language ranks: x, rows_per_sample = bridge.recv()      # [R_lane, D] leaf with requires_grad, same on all tp
-#                   loss = lm(x, ...); loss.backward()
-#                   bridge.send_grad()                      # leader sends x.grad (zeros when None) back
-# Every transfer is a batch of point-to-point operations on the bridge group (one NCCL communicator for all links),
-# and every link is opened in both directions when the Bridge is built, in set-up, where all leaders arrive together:
-# NCCL's first transfer between two ranks blocks the host until the peer posts its match, and an unbatched send or
-# receive would make a 2-rank communicator on first use, mid-step (docs/parallel.md §9). Operations between two
-# ranks run in the order they were posted, on one stream. So the encoder posts the receive of gradient m before the
-# send of microbatch m+1: the language leader sends gradient m before it receives m+1, and the opposite order on the
-# encoder would deadlock once payloads outgrow NCCL's buffers.
-# Colocated: send keeps rows, recv returns that very tensor (autograd flows straight into the encoder), send_grad
-# and backward_encoder do nothing. Text-only microbatches still send one header per link (a 0-row payload or
-# gradient is posted by neither side: both know its size).
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,7 @@ class Saver:
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
         rank_state, lanes = {"rank": self.rank, "rng": _rng_json(rng_state()), "data": data_state}, [None] * world
-        dist.all_gather_object(lanes, None if lm is None or lm.tp_rank or lm.cp_rank else {   # each lane's position
+        dist.all_gather_object(lanes, None if lm is None or not lm.lane_lead else {   # each lane's position
             "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
             "state": data_state})
         meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world,
@@ -460,10 +460,12 @@ def resolve(path, say=None):
 
 
 def saved_config(path, overrides=None):
-    """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only)."""
+    """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only); a record
+    of an earlier version as config.upgrade_record reads it."""
     step_dir = resolve(path)
     path = os.path.join(step_dir, CONFIG_NAME)
-    values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
+    values = config.upgrade_record(read_json(path, f"restore it, or --load an earlier step of "
+                                               f"{os.path.dirname(step_dir)}"), path)
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
     if unknown:
         raise ValueError(f"{path}: unknown config fields {sorted(unknown)}")

@@ -1,7 +1,7 @@
 """train.py's command line: its flags (every Config field, config.add_arguments, plus the invocation's own), the
-answers to flags users bring from elsewhere (ALIASES), and run(): a run's user error printed as one line
-`error: <cause>. <fix>` by one rank, exit status 2; a signal before training one line, 128 + the signal; a CPU run
-without torchrun on one thread, as torchrun sets."""
+answers to flags users bring from elsewhere or from earlier versions (ALIASES), and run(): a run's user error printed
+as one line `error: <cause>. <fix>` by one rank, exit status 2; a signal before training one line, 128 + the signal;
+a CPU run without torchrun on one thread, as torchrun sets."""
 import argparse
 import difflib
 import os
@@ -66,8 +66,9 @@ def exit_usage(message):
     raise SystemExit(f"{message}. See --help")
 
 
-# Flags users bring from HF Trainer, torchtitan (its TOML keys as --section.key) and Megatron-LM, by what they mean
-# here (after _dashes: underscores are dashes).
+IN_STEPS = "(samples / --global-batch: the LR schedule counts steps)"
+# Flags users bring from HF Trainer, torchtitan (its TOML keys as --section.key), Megatron-LM and earlier versions,
+# by what they mean here (after _dashes: underscores are dashes).
 ALIASES = {
     "learning-rate": "--lr", "max-steps": "--steps", "train-iters": "--steps", "training.steps": "--steps",
     "output-dir": "--save", "save-dir": "--save", "checkpoint.folder": "--save", "job.dump-folder": "--save",
@@ -90,8 +91,11 @@ ALIASES = {
     "parallelism.expert-parallel-degree": "--lm-ep", "parallelism.data-parallel-shard-degree": "--lm-dp",
     "use-distributed-optimizer": "--distributed-optimizer (the default)", "report-to": "--tensorboard DIR or "
     "--wandb PROJECT", "lora-r": "--lora-rank", "bf16": "no flag: CUDA runs train in bf16 already",
-    "num-train-epochs": "--steps (epochs x the data's samples / --global-batch: a run counts steps, and "
-    "--train-samples sets only a sample-based LR schedule)",
+    "num-train-epochs": "--steps (epochs x the data's samples / --global-batch: a run counts steps)",
+    # the sample-counted LR schedule of earlier versions (config.SAMPLE_FIELDS)
+    "train-samples": "--lr-decay-iters (samples / --global-batch: the LR schedule counts steps and decays over "
+    "--steps by default)", "lr-warmup-samples": f"--lr-warmup-iters {IN_STEPS}",
+    "lr-decay-samples": f"--lr-decay-iters {IN_STEPS}", "lr-wsd-decay-samples": f"--lr-wsd-decay-iters {IN_STEPS}",
 }
 
 

@@ -143,11 +143,8 @@ def all_to_all(x, out_splits, in_splits, group):
 
 
 def shard(full, dim, rank, size, segments=None):
-    """This rank's slice of a full tensor: each segment along `dim` is split in `size` equal parts.
-
-    `segments` lists the lengths of concatenated blocks that are each sharded on their own (Mamba in_proj is
-    [z | x | B | C | dt]); None means one block. `unshard` is the inverse over all ranks' slices.
-    """
+    """This rank's slice of a full tensor: each of `segments` (the lengths of concatenated blocks along `dim`, as Mamba
+    in_proj's [z | x | B | C | dt]; None: one block) split in `size` equal parts. `unshard` is the inverse."""
     segments = segments or [full.shape[dim]]
     blocks = torch.split(full, segments, dim)
     return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim)
@@ -163,11 +160,9 @@ def unshard(slices, dim, segments=None):
 
 
 def mark_shard(param, *shards):
-    """Record how a parameter is split: each shard is (group_kind, dim, segments), group_kind in tp/ep/etp.
-
-    Checkpoints use it to assemble full tensors, the grad norm to count replicated parameters once.
-    Unmarked parameters are replicated within their module's model-parallel group.
-    """
+    """Record how a parameter is split: each shard is (group_kind, dim, segments), group_kind in tp/ep/etp, so that
+    checkpoints assemble full tensors and the grad norm counts replicated parameters once. Unmarked parameters are
+    replicated within their module's model-parallel group."""
     param.shards = tuple(shards)
     return param
 
@@ -233,8 +228,7 @@ def take_shard(full, shards, ranks, sizes):
 
 def draw(name, seed, shape, rule, device="cpu"):
     """The full tensor `name` as rule(shape, generator) draws it, the generator (on `device`) seeded by (seed, name):
-    an initial value depends on neither the layout nor any other tensor. Every init draws through here (model.py,
-    radio.py, lora.py, hf_interop.py)."""
+    an initial value depends on neither the layout nor any other tensor. Every init draws through here."""
     return rule(shape, torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())))
 
 

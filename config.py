@@ -4,8 +4,9 @@ its command line (`--field-name VALUE`, one flag per field) and the presets.
 A preset is a dict of overrides on the defaults below; `resolve()` applies preset, then vision variant, then the
 user's values, and checks the result. Field names of the language model follow HF `config.json` (nemotron_h);
 vision fields start with `vit_`. A checkpoint saves the whole Config as its run record (checkpoint.py) and
-`--load` restores it (resume.py): MODEL_FIELDS say what its weights mean, so a different value given with
-`--load` is refused; every other field may change on resume, and a change is logged.
+`--load` restores it (resume.py; a record of an earlier version through upgrade_record): MODEL_FIELDS say what its
+weights mean, so a different value given with `--load` is refused; every other field may change on resume, and a
+change is logged.
 """
 import argparse
 import dataclasses
@@ -107,10 +108,6 @@ class Config:
     lr_decay_iters: int | None = _f(None, "default: --steps")
     lr_wsd_decay_iters: int | None = _f(None, "WSD decay tail; default 10%% of decay")
     lr_wsd_decay_style: str = _f("linear", None, choices=("linear", "minus_sqrt"))
-    train_samples: int | None = _f(None, "sample-based schedule (Megatron style)")
-    lr_warmup_samples: int = 0
-    lr_decay_samples: int | None = None
-    lr_wsd_decay_samples: int | None = None
     weight_decay: float = 0.05
     clip_grad: float = _f(1.0, "global grad-norm clip (0: off)")
     seed: int = 1234
@@ -247,6 +244,38 @@ def from_values(values, overrides=None):
     return cfg
 
 
+# The sample-counted LR schedule of earlier versions (--train-samples, --lr-*-samples): what they counted was always
+# good steps x --global-batch, so a schedule in steps says the same (cli.ALIASES answers the flags).
+SAMPLE_FIELDS = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
+
+
+def upgrade_record(values, where):
+    """A run record written by an earlier version (the {field: value} of `where`, a checkpoint's config.json) ->
+    its values for this one. SAMPLE_FIELDS go: unused (no --train-samples: nothing read them) they are dropped; a
+    schedule in samples becomes the same schedule in steps where that gives the same LR at every step: each count
+    the schedule reads (warm-up; decay end for cosine and WSD; WSD tail) divides by the global batch, and there is
+    no warm-up unless the global batch is 1 (the warm-up rose from lr / warm-up at sample 0 by lr x global batch /
+    warm-up a step, a ramp that no warm-up in steps gives); else one line refuses the record and names the fix."""
+    values = dict(values)
+    old = {k: values.pop(k, None) for k in SAMPLE_FIELDS}
+    if not old["train_samples"]:
+        return values
+    gb, kind = values.get("global_batch", Config.global_batch), values.get("lr_schedule", Config.lr_schedule)
+    warm, end = old["lr_warmup_samples"] or 0, old["lr_decay_samples"] or old["train_samples"]
+    counts = {"lr_warmup_iters": warm, "lr_decay_iters": end,
+              "lr_wsd_decay_iters": old["lr_wsd_decay_samples"] or max((end - warm) // 10, 1)}
+    read = list(counts)[:{"constant": 1, "cosine": 2}.get(kind, 3)]
+    if (warm == 0 or gb == 1) and all(counts[k] % gb == 0 for k in read):
+        return {**values, **{k: n // gb if n % gb == 0 else None for k, n in counts.items()}}
+    used = " ".join(f"--{flag(k)} {v}" for k, v in old.items() if v)
+    why = "a warm-up in samples" if warm and gb > 1 else f"counts that are no multiple of {gb}"
+    nearest = ", ".join(f'"{k}": {-(-counts[k] // gb)}' for k in read)
+    raise SystemExit(f"{where}: this run's LR schedule counts samples ({used} at --global-batch {gb}; {why}: no "
+                     "schedule in steps gives its learning rates), which this version no longer reads; to train on "
+                     f"with the nearest schedule in steps, delete the *_samples fields of that file and set {nearest}; "
+                     "to keep its learning rates, resume it with the code that wrote it")
+
+
 def base_type(name):
     """int for `int | None`, and so on."""
     t = FIELDS[name].type
@@ -304,15 +333,14 @@ def changes(old, new, names=None):
 # Ranges of the run's numbers: (fields, lowest allowed, what it means). Non-finite numbers never pass, None (not
 # given) always does.
 RANGES = [
-    (("steps", "lr_warmup_iters", "lr_warmup_samples", "save_every", "keep_last", "max_skipped_steps", "eval_every",
+    (("steps", "lr_warmup_iters", "save_every", "keep_last", "max_skipped_steps", "eval_every",
       "moe_stats_every", "lora_rank", "num_workers", "mock_num_samples", "seed", "num_nextn_predict_layers",
       "video_temporal_patch", "max_frames", "class_token_len", "min_num_patches", "max_num_patches"), 0,
      ">= 0"),
-    (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "train_samples", "lr_decay_samples",
-      "lr_wsd_decay_samples", "log_every", "eval_samples", "seq_len", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
-      "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths", "video_target_patches", "mock_image_size",
-      "vocab_size", "hidden_size", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
-      "projector_hidden"), 1, ">= 1"),
+    (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "log_every", "eval_samples", "seq_len",
+      "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths",
+      "video_target_patches", "mock_image_size", "vocab_size", "hidden_size", "vit_hidden", "vit_depth", "vit_heads",
+      "vit_mlp", "vit_patch", "vit_cpe_grid", "projector_hidden"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",
       "mtp_loss_scale", "video_fps"), 0.0, ">= 0"),
     (("collective_timeout",), 1.0, ">= 1 (seconds)"),
@@ -342,10 +370,10 @@ def nearest_divisors(sizes, k, most):
 
 
 def check(cfg):
-    """Every field's constraints, at once: the run's numbers (RANGES, POSITIVE, min_lr <= lr, fractions below 1, the
-    --train-layers and --lora-targets regexes) and the model's shape: every size of its layers (LAYER_SIZES), what
-    must divide what (MULTIPLES), top-k within the experts, the patch budget (layout constraints live in layout.py).
-    One SystemExit line names every offender."""
+    """Every field's constraints, at once: its choices (argparse checks a flag's; a record's are checked here), the
+    run's numbers (RANGES, POSITIVE, min_lr <= lr, fractions below 1, the --train-layers and --lora-targets regexes)
+    and the model's shape: every size of its layers (LAYER_SIZES), what must divide what (MULTIPLES), top-k within
+    the experts, the patch budget (layout constraints live in layout.py). One SystemExit line names every offender."""
     layers = cfg.hybrid_override_pattern + (cfg.mtp_pattern if cfg.num_nextn_predict_layers else "")
     ranges = RANGES + [(names, 1, ">= 1") for kind, names in LAYER_SIZES.items() if kind in layers]
     errors = [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number {what}" for names, low, what in ranges
@@ -353,6 +381,8 @@ def check(cfg):
                                                                       getattr(cfg, k) >= low)]
     errors += [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number > 0" for k in POSITIVE
                if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) > 0)]
+    errors += [f"--{flag(k)} {getattr(cfg, k)!r}: must be one of {', '.join(map(str, f.metadata['choices']))}"
+               for k, f in FIELDS.items() if getattr(cfg, k) not in f.metadata.get("choices", (getattr(cfg, k),))]
     if cfg.clip_grad < 0 or not math.isfinite(cfg.clip_grad):
         errors.append(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
     if 0 <= cfg.lr < math.inf and 0 <= cfg.min_lr < math.inf and cfg.min_lr > cfg.lr:

@@ -3,14 +3,10 @@
 The split is the two-chunk zigzag: a row of L positions is cut into 2 cp equal chunks and cp rank r holds chunks r
 and 2 cp - 1 - r, in that order (cp = 1: the whole row, one chunk). Under causal attention a query's work grows with
 its position, so every rank then gets the same share of it. Token-wise layers (norms, projections, MoE, the loss) run
-on a rank's positions as they are; the two mixers that read other positions see the whole row:
-  attention  K and V gathered from every cp rank (`gather`: all-gather forward, reduce-scatter backward); each local
-             chunk of queries attends to the keys up to its end
-  Mamba2     an all-to-all from sequence-sharded to head-sharded (`to_heads`): each rank runs the causal conv and
-             the SSD scan on whole rows for 1/cp of the heads and groups, so no conv halo and no state passing is
-             needed; a second all-to-all brings the output back (`to_positions`)
-Mamba's exchanges are comm.all_to_all, whose backward is the same exchange reversed. "Natural order" is the row's own
-order of positions, 0 .. L - 1; a rank's "local" tensors hold its positions in zigzag order (`positions`).
+on a rank's positions as they are; the two mixers that read other positions see the whole row: attention gathers K
+and V from every cp rank (`gather`, docs/cp.md §2), Mamba2 runs its conv and scan on whole rows of 1/cp of its heads
+(`to_heads` and back `to_positions`: all-to-alls, docs/cp.md §3). "Natural order" is the row's own order of
+positions, 0 .. L - 1; a rank's "local" tensors hold its positions in zigzag order (`local`).
 
 Shape suffixes: B batch, L the whole row, M this rank's positions (L / cp), W a channel width, S the cp ranks.
 """
@@ -25,11 +21,6 @@ def spans(L, rank, size):
         return [(0, L)]
     c = L // (2 * size)
     return [(rank * c, (rank + 1) * c), ((2 * size - 1 - rank) * c, (2 * size - rank) * c)]
-
-
-def positions(L, rank, size):
-    """The row positions of this rank's local tensors, in their order (a long tensor of L / size)."""
-    return torch.cat([torch.arange(a, b) for a, b in spans(L, rank, size)])
 
 
 def local(t, rank, size, dim=1):

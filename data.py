@@ -6,20 +6,15 @@ CLIP-normalised and already at their patch-aligned size (None where the rank ask
 document id per token of a packed row (None when unpacked). Image i occupies h_i*w_i/4 consecutive placeholder
 tokens (image_token_id) in input_ids (docs/vision.md §9).
 
-Real data (--data PATH or "0.7:a.jsonl,0.3:b/*.parquet"; files, formats and record shapes: formats.py), any of
-  {"messages": [{"role": "system"|"user"|"assistant", "content": "..." | [{"type": "text", "text": "..."},
-                {"type": "image", "image": "path relative to the JSONL file, or absolute"},
-                {"type": "video", "video": "path" | ["frame paths"]}]}, ...]}   (video.py: tubelets of t frames)
-  {"text": "..."}                                  BOS + text + EOS, all trained
-  {"input_ids": [...], "loss_mask": [...]}         as is; loss_mask[t] = 1 trains token t as a target (default all)
-Index i -> (source s, its k-th draw) by a greedy weighted schedule; unpacked, the k-th draw of s is document
-perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is the k-th row of a next-fit packing of
-s's permuted document stream. Token lengths come from a one-time index of every file, cached beside it.
-A document longer than seq_len is, by --overlong, an error (once a file is indexed, one line counts them and names the
-longest; a counted skip under --skip-bad-samples), a counted skip, or truncated (formats.truncate: never inside an
-image). A data file that cannot be read (a directory, gone, corrupt parquet) ends the run with one line naming it.
+Records (docs/data.md §2; files and record shapes: formats.py): {"messages": [...]}, chats of text, image and video
+parts (video.py); {"text": "..."}, BOS + text + EOS, all trained; {"input_ids": [...], "loss_mask": [...]}, as is
+(loss_mask[t] = 1 trains token t, default all). Index i -> (source s, its k-th draw) by a greedy weighted schedule;
+unpacked, the k-th draw of s is document perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is
+the k-th row of a next-fit packing of s's permuted document stream. Token lengths come from a one-time index of
+every file, cached beside it. A document longer than seq_len: --overlong (docs/data.md §5, formats.truncate).
 """
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -50,8 +45,6 @@ class Sample:
     n_pad: int = 0                    # padding tokens at the end of the row (not routed or counted by MoE layers)
 
 
-
-
 # ---------------------------------------------------------------- tokenizers
 
 class ByteTokenizer:
@@ -70,24 +63,11 @@ class ByteTokenizer:
     def encode(self, text):
         return list(text.encode("utf-8"))
 
-    def decode(self, ids):
-        names, out, run = {v: k for k, v in self.special.items()}, [], bytearray()
-        for i in list(ids) + [None]:
-            if i is None or i in names or i > 255:
-                out.append(run.decode("utf-8", errors="replace"))
-                run = bytearray()
-                out.append(names.get(i, "" if i is None else f"<{i}>"))
-            else:
-                run.append(i)
-        return "".join(out)
-
 
 class HFTokenizer:
-    """An HF tokenizer (optional `transformers`): a directory (tokenizer files and, in tokenizer_config.json or
-    chat_template.jinja, its chat template) or a bare tokenizer.json. Chats are rendered by the template the way
-    transformers' apply_chat_template does; a tokenizer without one renders them with the ChatML of Encoder.chat,
-    which needs <|im_start|> and <|im_end|>. <image> must be at cfg.image_token_id; <img>/</img> wrap each image's
-    placeholders when the vocabulary has them (as the Omni processor writes them)."""
+    """An HF tokenizer (optional `transformers`): a directory or a bare tokenizer.json (docs/data.md §6). Without a
+    chat template chats are rendered with the ChatML of Encoder.chat, which needs <|im_start|> and <|im_end|>. <image>
+    must be at cfg.image_token_id; <img>/</img> wrap each image's placeholders when the vocabulary has them."""
 
     def __init__(self, path, vocab_size, image_token_id):
         try:
@@ -211,8 +191,6 @@ class Encoder:
     """Turns one JSONL object into (token ids, target mask, images) with the chat template and the token budget."""
 
     def __init__(self, tok, cfg, train_on="assistant", overlong="error"):
-        if train_on not in ("assistant", "all"):
-            raise SystemExit(f"--train-on must be assistant or all, got {train_on!r}")
         self.tok, self.cfg, self.train_on, self.sp, self.overlong = tok, cfg, train_on, tok.special, overlong
         self.n_truncated = 0                         # documents truncated so far (the index counts them)
         self.fingerprint = json.dumps([tok.fingerprint, train_on, cfg.seq_len, cfg.vit_patch, cfg.min_num_patches,
@@ -317,7 +295,7 @@ class Encoder:
             src = formats.image_source(ref, base_dir)
             n, fps, size = video.probe(src)
         at = video.sample_indices(n, fps, cfg.video_fps, cfg.max_frames)
-        th, tw = video.canvas(*size, cfg.video_target_patches, cfg.vit_patch)
+        th, tw = video.canvas(*size, cfg.video_target_patches)
         heads = [self.tok.encode(s) for s in video.labels(at, fps, t)]
         if not pixels:
             return (th, tw), heads, None
@@ -409,8 +387,6 @@ def make_row(docs, cfg, pad_id, packed):
     seq.append(torch.full((pad,), len(docs)))    # padding is a document of its own: nothing attends into it
     return Sample(torch.cat(ids), torch.cat(labels), images, torch.cat(seq) if packed else None, pad)
 
-
-# ---------------------------------------------------------------- indexing
 
 # ---------------------------------------------------------------- the dataset
 
@@ -591,17 +567,6 @@ class _Microbatches(torch.utils.data.Dataset):
         return {first + o: self.ds.sample(first + o, self.pixels) for o in self.offsets}
 
 
-class _From(torch.utils.data.Sampler):
-    def __init__(self, first, stride):
-        self.first, self.stride = first, stride
-
-    def __iter__(self):
-        i = self.first
-        while True:
-            yield i
-            i += self.stride
-
-
 def _identity(x):
     return x
 
@@ -615,13 +580,10 @@ def _leave_signals_to_the_rank(worker_id):
 
 
 class Loader:
-    """The samples one rank owns, one step at a time, built ahead by DataLoader workers (prefetch).
-
-    step(base, n_micro) -> {global index: Sample} for micro-batches starting at base, base + spm, ... Samples are
-    pure functions of their index, so workers never change what a step sees. Asked for a position it did not
-    expect (resume, a restarted eval), it restarts its stream there. state_dict() holds the next global sample
-    index: one number serves every language lane, each lane's own samples follow from it (lane_samples).
-    """
+    """The samples one rank owns, built ahead by DataLoader workers: step(base, n_micro) -> {global index: Sample}
+    of the micro-batches starting at base, base + spm, ... Asked for a position it did not expect (resume, a
+    restarted eval), it restarts its stream there. state_dict() holds the next global sample index: one number
+    serves every language lane, each lane's own samples follow from it (lane_samples)."""
 
     def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, prefetch=4):
         self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
@@ -631,9 +593,9 @@ class Loader:
     def step(self, base, n_micro):
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
-                _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None, sampler=_From(base, self.spm),
-                num_workers=self.num_workers, collate_fn=_identity, worker_init_fn=_leave_signals_to_the_rank,
-                prefetch_factor=self.prefetch if self.num_workers else None))
+                _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None,
+                sampler=itertools.count(base, self.spm), num_workers=self.num_workers, collate_fn=_identity,
+                worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=self.prefetch if self.num_workers else None))
         out = {}
         for _ in range(n_micro):
             out.update(next(self.it))
@@ -667,11 +629,7 @@ def collate_text(samples):
 def collate_images(samples, cfg):
     """-> packed patch rows [Σ t*h*w, 3p²], grids [(h, w)], image rows per sample, frames [t] per item (vision side):
     an image is t = 1, a video tubelet [3t, H, W] gives each patch's t frame vectors as t consecutive rows
-    (radio.VisionModel.embed).
-
-    Images are already at a patch-aligned size here; the token budget (radio.compute_params) decided it
-    when the sample was made, so the count of placeholder tokens and of image rows agree by construction.
-    """
+    (radio.VisionModel.embed). The sample's token budget fixed each size, so placeholders and rows agree."""
     p, patches, grids, rows, frames = cfg.vit_patch, [], [], [], []
     for s in samples:
         n = 0

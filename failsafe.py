@@ -4,20 +4,10 @@ steps, ranks that lost a peer (requeue: resume.py; argument checks: config.check
 Signals: SIGINT / SIGTERM / SIGHUP only set a flag once training or an evaluation runs (the first one counts; later
 ones cannot cut the save short); before that (set-up), cli.run installs `interrupt`, which ends the process with
 one line. Every rank calls Stop() at the same micro-batch boundaries (a one-int all-reduce on a gloo group, so no
-GPU sync); once any rank was signalled, all abandon the step in progress (abandon_step: the bridge traffic in flight
-is matched, gradients, expert counts, RNG and data position go back to the step's start) or the evaluation in
-progress (nothing to undo: it is not scored), save the last completed step synchronously and exit with 128 + signal.
-Pairing of the checks with the bridge (docs/parallel.md §9: a rank may block only in an operation every rank it
-waits for reaches next without first waiting on it):
-- a training step (1F1B, bridge.py): a vision-only rank checks after its micro-batch k (rows of k sent, backward of
-  k-1 done), a language rank before its micro-batch k (gradient of k-1 sent), so neither waits on a bridge message
-  the other will only send after the check. Stopping there, the language side receives the rows of k and returns
-  a zero gradient; the vision side runs the backward of what it has in flight.
-- an evaluation (forward only: nothing comes back to the vision side): every rank checks before its micro-batch
-  k. Up to check k a language rank waits only for the rows of micro-batches before k, which the vision side posts
-  before its check k; a vision rank waits on nobody, or (a device sync over NCCL) for the language side to post
-  the receives of those rows, which it does before its check k. Stopping there leaves nothing in flight (every
-  micro-batch ends with bridge.release()).
+GPU sync; where it sits relative to the bridge is schedule.py's rule); once any rank was signalled, all abandon the
+step in progress (the schedule matches the bridge traffic in flight, abandon_step puts gradients, expert counts, RNG
+and data position back to the step's start) or the evaluation in progress (nothing to undo: it is not scored), save
+the last completed step synchronously and exit with 128 + signal.
 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
@@ -118,16 +108,9 @@ def _take(signum, frame):
     taken = taken or signum
 
 
-def abandon_step(bridge, modules, opt, loader, base, rng):
-    """Undo the step a signal stopped at a micro-batch boundary, so the signal checkpoint is the last completed
-    step and resuming repeats this one exactly."""
-    lay = bridge.lay
-    if "language" in modules and "vision" not in modules and not lay.colocated:
-        with torch.no_grad():   # the rows the vision side sent before its check: received, a zero gradient back
-            bridge.recv()
-            bridge.send_grad()
-    while bridge.in_flight:
-        bridge.backward_encoder()
+def abandon_step(modules, opt, loader, base, rng):
+    """Undo the step a signal stopped at a micro-batch boundary (after schedule.Schedule.train matched the bridge
+    traffic in flight), so the signal checkpoint is the last completed step and resuming repeats this one exactly."""
     opt.zero_grad()
     if "language" in modules:
         moe.discard_expert_counts(modules["language"])

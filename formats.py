@@ -1,20 +1,14 @@
 """Where documents come from: files (JSONL, JSON arrays, parquet shards), the record shapes people store chats in,
 and the one-pass index of every file. data.py turns the records this module hands it into tokens.
 
-Files: `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or globs; the files of
-one entry share its blend weight in proportion to their document counts. A .json file holding a top-level array is
-read element by element; any other .json / .jsonl is one record per line; .parquet is read with pyarrow (optional:
-pip install -e '.[parquet]'), streamed in record batches, so memory never depends on the dataset's size. A file
-that cannot be read (a directory among the files, gone, unreadable, a corrupt parquet) ends the run with one line
-`FILE: cannot read (why)`; read after indexing (it changed since), its records are bad samples (FILE:LINE).
-Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}):
-  LLaVA / ShareGPT   {"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
-                     {"from": "gpt", "value": "..."}]}: each <image> (and the newline after it) is the next image
-  messages + images  {"messages": [... {"type": "image"} ...], "images": [...]} (HF datasets): each image part
-                     without a reference, and each <image> in a text, takes the next entry of "images"
-Image entries may be paths (relative to the data file), bytes, or HF {"bytes": ..., "path": ...} structs.
-Parquet columns: --data-columns messages=NAME,images=NAME; by default the first of messages / conversations / text
-and of images / image that the file has.
+Files (docs/data.md §2): `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or
+globs. A .json file holding a top-level array is read element by element, any other .json / .jsonl a record per line,
+.parquet with pyarrow in record batches, so memory never depends on the dataset's size. A file that cannot be read
+ends the run with one line (_reading).
+Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}; to_record): LLaVA /
+ShareGPT conversations, and messages beside their "images" (HF datasets), each <image> or image part without a
+reference taking the next image: a path (relative to the data file), bytes or an HF {"bytes", "path"} struct.
+Parquet columns: --data-columns messages=NAME,images=NAME; by default the first of COLUMNS the file has.
 """
 import array
 import base64
@@ -244,32 +238,28 @@ def scan(path, kind, columns):
 
 def read(path, idx, d):
     """Record d of an index of `path` (raises Bad)."""
-    with _reading(path, bad=True):
-        return _read(path, idx, d)
-
-
-def _read(path, idx, d):
     key, kind = int(idx["offsets"][d]), str(idx["kind"])
-    if kind == "parquet":
-        pid, cols = os.getpid(), tuple(str(c) for c in idx["columns"])
-        _, starts = _parquet(path, pid)
-        g = int(np.searchsorted(starts, key, side="right")) - 1
-        table = _row_group(path, pid, g, tuple(c for c in cols if c))
-        return _from_row(table.slice(key - int(starts[g]), 1).to_pylist()[0], cols)
-    with open(path, "rb") as f:
-        f.seek(key)
-        if kind == "lines":
-            return _parse(f.readline())
-        raw, n = b"", 1 << 16
-        while True:
-            chunk = f.read(n)
-            raw += chunk
-            try:
-                return _parse(raw[:json.JSONDecoder().raw_decode(raw.decode("latin-1"))[1]])
-            except ValueError:
-                if not chunk:
-                    raise Bad("malformed JSON array element") from None
-            n *= 2
+    with _reading(path, bad=True):
+        if kind == "parquet":
+            pid, cols = os.getpid(), tuple(str(c) for c in idx["columns"])
+            _, starts = _parquet(path, pid)
+            g = int(np.searchsorted(starts, key, side="right")) - 1
+            table = _row_group(path, pid, g, tuple(c for c in cols if c))
+            return _from_row(table.slice(key - int(starts[g]), 1).to_pylist()[0], cols)
+        with open(path, "rb") as f:
+            f.seek(key)
+            if kind == "lines":
+                return _parse(f.readline())
+            raw, n = b"", 1 << 16
+            while True:
+                chunk = f.read(n)
+                raw += chunk
+                try:
+                    return _parse(raw[:json.JSONDecoder().raw_decode(raw.decode("latin-1"))[1]])
+                except ValueError:
+                    if not chunk:
+                        raise Bad("malformed JSON array element") from None
+                n *= 2
 
 
 # ---------------------------------------------------------------- records

@@ -1,10 +1,7 @@
-"""Memory-bound passes written once in plain PyTorch; on CUDA each runs as one torch.compile'd (Triton) kernel,
-except the norms, whose torch kernels already are one pass (see rms_norm).
-
-Eager PyTorch runs every op of these as its own kernel with a full-size intermediate in device memory (the
-cross-entropy alone wrote and re-read the fp32 logits about ten times). The functions below are the only
-definition of their math: the CPU runs them eagerly, CUDA through torch.compile, and tests/test_gpu.py proves
-the two equal. Nothing here talks to other ranks; callers do the collectives between the pieces.
+"""Memory-bound passes written once in plain PyTorch (docs/speed.md §2): the CPU runs them eagerly, CUDA as one
+torch.compile'd (Triton) kernel each (tests/test_gpu.py proves the two equal), except the norms, whose torch kernels
+already are one pass (rms_norm). Eager, every op ran as its own kernel with a full-size intermediate in device
+memory (the cross-entropy wrote and re-read the fp32 logits about ten times). Nothing here talks to other ranks.
 
 Shape suffixes (logits_NV is [N, V]): N token positions (the rows of the logits), V vocab (this rank's shard), T tokens
 of an MoE layer, K experts per token, R routed rows (T x K, sorted by expert), D a row's width (the hidden size,

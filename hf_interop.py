@@ -8,10 +8,8 @@ expert (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for group
 Config fields HF does not carry (seq_len, image token budget, layout, ...) come from a preset.
 CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only] [--overwrite]
       python hf_interop.py import-hf --hf HF_DIR --out CKPT [--preset P] [--image-token-id N] [--vision-hf RADIO_DIR]
-Neither writes into a checkpoint directory (--out is, or lies in, one: refused) nor into a directory with files
-unless export-hf's --overwrite says so; export-hf then replaces only the files it writes, each as a new file (an
-existing one may be a checkpoint's hard link, copy_source), and drops an earlier export's weight shards. A user
-error is one line `error: <cause>. <fix>`, exit status 2 (cli).
+Neither writes into a checkpoint directory, nor into a directory with files unless export-hf's --overwrite says so
+(_check_out, _staged). A user error is one line `error: <cause>. <fix>`, exit status 2 (cli).
 """
 import argparse
 import dataclasses
@@ -45,15 +43,14 @@ HF_SAME = tuple(f for f in config.LANGUAGE_FIELDS if f not in HF_RENAMED.values(
 # HF switches whose value is baked into our model; import refuses any other value (absent = HF default = this).
 HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, attention_bias=False, mlp_bias=False,
                 n_shared_experts=1, mlp_hidden_act="relu2", mamba_hidden_act="silu", n_group=1, topk_group=1,
-                norm_topk_prob=True, residual_in_fp32=False, tie_word_embeddings=False,
-                sliding_window=None)
+                norm_topk_prob=True, residual_in_fp32=False, tie_word_embeddings=False, sliding_window=None)
 # Written for completeness (Nano's values, docs/decoder.md §1), not read back. time_step_* only drive HF's init.
 # Caveat: HF's torch Mamba path clamps dt at time_step_min; ours, the CUDA kernels and Megatron do not.
-HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32", attention_dropout=0.0,
-               hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True, rescale_prenorm_residual=True)
+HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32",
+               attention_dropout=0.0, hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True,
+               rescale_prenorm_residual=True)
 HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}   # transformers 5.x
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
-
 
 # RADIO switches baked into radio.py (absent = HF default = this), and what an Omni config must say.
 RADIO_FIXED = dict(hidden_act="gelu", use_swiglu_ffn=False, qkv_bias=True, layer_norm_eps=1e-6, num_channels=3,
@@ -85,12 +82,10 @@ def read_config(hf_dir):
 
 
 def is_hf_dir(path):
-    """An HF model directory (config.json with an HF model_type), not one of our checkpoints."""
-    cfg = os.path.join(path, checkpoint.CONFIG_NAME)
-    if not os.path.isfile(cfg) or checkpoint.is_checkpoint(path):   # a save directory an export wrote into too
-        return False
-    with open(cfg) as f:
-        return "model_type" in json.load(f)
+    """An HF model directory (config.json with an HF model_type), not one of our checkpoints (a save directory an
+    export wrote into too)."""
+    return os.path.isfile(os.path.join(path, checkpoint.CONFIG_NAME)) and not checkpoint.is_checkpoint(path) and \
+        "model_type" in read_config(path)
 
 
 def config_from_hf(hf, source="config.json", preset=None, image_token_id=None, radio_hf=None):
@@ -216,13 +211,10 @@ def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
 
 def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, tokenizer=None,
               source=None):
-    """Write an HF directory: nemotron_h_omni when `state_dict` (full names, "language.…" / "vision.…") holds the
-    vision tower, else nemotron_h; config.json, safetensors (sharded above max_shard_bytes) and, with an HF
-    `tokenizer` (data.load_tokenizer), its files. dtype casts the floating tensors, except the expert bias, which
-    stays fp32 as HF keeps it (_keep_in_fp32_modules_strict). bos/eos/pad ids are the tokenizer's. `source`: what
-    copy_source kept of the HF directory the run started from: its files (processor and generation configs,
-    remote code) and carried tensors come along, and its config.json's fields stay where ours do not say
-    otherwise."""
+    """Write an HF directory, nemotron_h_omni when `state_dict` (full names) holds the vision tower, else nemotron_h:
+    config.json, safetensors (sharded above max_shard_bytes), an HF `tokenizer`'s files (bos/eos/pad: its ids).
+    dtype casts the floating tensors but the expert bias (fp32 in HF: _keep_in_fp32_modules_strict). `source`
+    (copy_source's): its files and carried tensors come along, its config.json's fields where ours say nothing."""
     lm_sd = checkpoint.language_state_dict(state_dict)
     checkpoint.check_tensors(lm_sd, checkpoint.lm_shapes(cfg), "export_hf(state_dict)")
     cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
@@ -381,8 +373,7 @@ class HFSource:
         if tower_files is not None:   # --vision-hf: the tower from RADIO_DIR, a fresh projector (below)
             tower = {k: v for k, v in vision.items()   # a radio directory has neither projector nor MTP's final norm
                      if omni or not k.startswith(("vision.mlp1.", "vision.final_layernorm."))}
-            errors += self._map(tower_files, tower,
-                                lambda k: _vision_hf_name(k, omni), skipped)
+            errors += self._map(tower_files, tower, lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
         for k in set(shapes) - set(self.where):   # drawn when read, as a fresh model draws them (comm.draw): the
             name = k.split(".", 1)[1]             # LLaVA-style start's projector (--stage 1 trains it), MTP blocks
@@ -417,7 +408,8 @@ class HFSource:
             used.update(keys)
             self.where[name] = (keys != [key], [(files.get(k, (None,))[0], k) for k in keys])
         for k in files:
-            if k in used or _is_vision(k) != next(iter(shapes)).startswith("vision."):
+            vision = k.startswith((OMNI_VISION, RADIO_ROOT, "radio_model.", "mlp1.", "vision_projector."))
+            if k in used or vision != next(iter(shapes)).startswith("vision."):   # an Omni directory holds both parts
                 continue
             what = next((w for w, pat in UNUSED.items() if re.search(pat, k)), None)
             if what is None:
@@ -450,11 +442,6 @@ class HFSource:
 def _vision_hf_name(name, omni):
     key = radio.hf_name(name[len("vision."):])
     return key if omni else key[len(OMNI_VISION):]
-
-
-def _is_vision(hf_key):
-    """An Omni directory holds both parts: the vision tower and projector, or (sound included) the rest."""
-    return hf_key.startswith((OMNI_VISION, RADIO_ROOT, "radio_model.", "mlp1.", "vision_projector."))
 
 
 def _tensor_files(hf_dir):
@@ -581,9 +568,9 @@ def _check_out(cmd, out, overwrite):
 
 
 def _staged(out, write):
-    """write(a new directory inside `out`) -> its result; then what it wrote replaces the entries of those names in
-    `out` (an existing file is never written into: it may be a checkpoint's hard link, copy_source), and an earlier
-    export's shards the new weights do not replace are dropped. A failed write changes no file in `out`."""
+    """write(a new directory inside `out`) -> its result; what it wrote then replaces the entries of those names in
+    `out` (never written into: a file may be a checkpoint's hard link), and an earlier export's shards the new
+    weights do not replace are dropped (_drop_stale_shards). A failed write changes no file in `out`."""
     try:
         os.makedirs(out, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".writing-", dir=out)

@@ -1,15 +1,9 @@
-"""The modules a rank starts from, built without an fp32 copy of the model (memory.py's set-up column).
-
-build(): every module of the rank is made on the meta device (no memory), its trainable parameters chosen there
-(--stage / --train-layers, --lora-rank's adapters), then each parameter in turn is allocated on the run's device in
-the dtype it trains in (optim.weight_dtypes: bf16 on CUDA under the distributed optimizer, except the trained
-weights optim keeps in fp32; fp32 on the CPU) and drawn: its full tensor from a generator seeded by (seed, name)
-(comm.draw), this rank's slice copied from views of it and cast on the way (comm.init_shard), the draw freed
-before the next. So the initial values are those of any layout and of the fp32 init, and the device holds the
-weights plus one full-size fp32 draw at a time. Where each is drawn, as before: the language model on the device
-(model.rule), the tower and the LoRA adapters on the CPU (radio.rule, lora.rule). Buffers (the routers' fp32
-expert bias and token counts) are zeros, in their own dtype. Tensors a load fills (`skip`: checkpoint.load writes
-every tensor its source holds) are allocated and not drawn.
+"""The modules a rank starts from, built without an fp32 copy of the model (docs/memory.md §5): made on the meta
+device with their trainable parameters chosen there, then each parameter allocated on the run's device in the dtype
+it trains in (optim.weight_dtypes) and drawn by name at full shape, this rank's slice copied out and cast
+(comm.init_shard): the initial values of any layout and of the fp32 init. The language model is drawn on the device
+(model.rule), the tower and the LoRA adapters on the CPU (radio.rule, lora.rule). Buffers are zeros; tensors a load
+fills (`skip`) are allocated and not drawn.
 """
 import torch
 import torch.nn as nn

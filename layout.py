@@ -326,7 +326,7 @@ def bytes_moved(cfg, lay, cuda=True):
                 + passes * moe * 2 * (gather(lay.lm_ep) + lay.lm_etp - 1) * routed
                 + passes * (pattern.count("*") * (cp - 1) * kv + pattern.count("M") * gather(cp) * mamba))
     S, _ = memory.vision_tokens(cfg, lay)
-    vision = ((2 if memory.tower_trains(cfg.stage, cfg.train_layers) else 1) * cfg.vit_depth * 2
+    vision = ((2 if memory.tower_trains(cfg) else 1) * cfg.vit_depth * 2
               * all_reduce(lay.vision_tp) * 2 * S * cfg.vit_hidden)
     weight = 2 if cuda else 4
     gradients = sum(n * (gather(d) * (4 + weight) if cfg.distributed_optimizer else all_reduce(d) * 4)

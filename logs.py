@@ -17,10 +17,18 @@ from tqdm import tqdm
 import comm
 import memory
 
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
+
 
 def fmt_time(seconds):
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def peak_tflops(device):
+    """Dense bf16 peak of this CUDA device from PEAK_TFLOPS (None on CPU or an unlisted GPU)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def peak_memory_gib(device):

@@ -1,22 +1,11 @@
-"""LoRA (--lora-rank R --lora-alpha A [--lora-targets REGEX]): W x + (A / R) * B (A_lora x) with W frozen.
+"""LoRA (--lora-rank R --lora-alpha A [--lora-targets REGEX]): W x + (A / R) * B (A_lora x) with W frozen; the
+adapters shard like their frozen weight, so any tp / ep layout computes the one-device function (docs/memory.md §3).
 
 Targets (regex over full names, default TARGETS): attention q/k/v/o, Mamba in/out projections, the dense and
 shared-expert MLPs, LatentMoE's latent projections, and the routed experts, one adapter pair per expert, applied
 inside the grouped GEMM (moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is
-frozen. A pattern that matches no layer of the whole model is refused, naming the layers there are.
-
-Sharding follows the frozen weight, so any tp / ep layout computes the one-device function:
-  column-parallel W (rows over tp):  B's rows shard like W's; A sees the whole input and is replicated, its
-                                      gradient a partial sum per tp rank (`tp_partial`, summed by optim.py)
-  row-parallel W (columns over tp):  A's columns shard like W's; the product leaves through W's reduce_from,
-                                      B is replicated, its gradient partial per tp rank
-  experts:                            every adapter sharded over ep with its expert (etp must be 1)
-  LatentMoE's projections:            replicated, run on a token slice per tp rank: A and B both tp_partial
-B starts at zero, A uniform(+-1 / sqrt(fan_in)) drawn at full shape on the CPU from (seed + SEED, full name) by
-init.py (rule()): layout-independent. The
-base stays exactly as loaded, the routers' expert biases too (train.py does not update them under LoRA), so the
-adapters alone (hf_peft.py) reproduce the run on the released weights.
-merge() folds adapters into full weights (export-hf); checkpoints hold adapters like any parameter.
+frozen, the routers' expert biases too (train.py does not update them under LoRA), so the adapters alone
+(hf_peft.py) reproduce the run on the released weights. merge() folds adapters into full weights (export-hf).
 """
 import math
 import re
@@ -69,11 +58,9 @@ def apply(modules, cfg, par=None):
 
 def rule(name):
     """How adapter `name` is drawn, as comm.draw takes it: A uniform(+-1 / sqrt(fan_in)), B zeros."""
-    return _uniform_fan_in if name.endswith("_A") else lambda shape, gen: torch.zeros(shape)
-
-
-def _uniform_fan_in(shape, gen):
-    return (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(shape[-1])
+    if name.endswith("_A"):
+        return lambda shape, gen: (torch.rand(shape, generator=gen) * 2 - 1) / math.sqrt(shape[-1])
+    return lambda shape, gen: torch.zeros(shape)
 
 
 def _attach_linear(lin, r, scale):
@@ -104,12 +91,8 @@ def merge(state_dict, alpha):
     """{full name: full tensor} with adapters -> the same without them, each folded into its weight."""
     out = {k: v for k, v in state_dict.items() if "lora_" not in k}
     for k, a in state_dict.items():
-        if k.endswith(".lora_A"):           # a Linear: W += s B A
-            b, w = state_dict[k[:-1] + "B"], k[:-len("lora_A")] + "weight"
-            out[w] = (out[w].float() + alpha / a.shape[0] * (b.float() @ a.float())).to(out[w].dtype)
-        elif k.endswith("_A") and ".lora_" in k:   # experts: lora_up_A -> up_proj, per expert
+        if k.endswith("_A") and ".lora_" in k:   # W += s B A: a Linear's lora_A, or per expert lora_up_A -> up_proj
             base, proj = k.rsplit(".lora_", 1)
-            proj = proj[:-2]
-            b, w = state_dict[k[:-1] + "B"], f"{base}.{proj}_proj"
-            out[w] = (out[w].float() + alpha / a.shape[1] * torch.bmm(b.float(), a.float())).to(out[w].dtype)
+            w, b = f"{base}.weight" if proj == "A" else f"{base}.{proj[:-2]}_proj", state_dict[k[:-1] + "B"]
+            out[w] = (out[w].float() + alpha / a.shape[-2] * (b.float() @ a.float())).to(out[w].dtype)
     return out

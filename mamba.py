@@ -4,13 +4,12 @@ Two execution paths with the same math (tests/test_gpu.py::test_mamba_kernel_mat
 to docs/decoder.md §4's tolerances; tests/test_decoder.py checks the reference against the plain recurrence):
 - CPU / reference: pure PyTorch. Chunked SSD after Mamba-2 "Listing 1" (ssd_minimal), extended with a document
   mask so packed sequences (`seq_idx`) reset the state without per-document loops.
-- CUDA: `mamba_ssm`'s fused `mamba_split_conv1d_scan_combined` (conv via causal_conv1d, SSD, gated norm in one
-  Triton/CUDA pipeline). Loaded by tuned.py, only when the input lives on a GPU.
+- CUDA: `mamba_ssm`'s fused `mamba_split_conv1d_scan_combined` (conv, SSD and gated norm in one pipeline; tuned.py
+  loads it on the first GPU input).
 
 Tensor parallel: each rank owns H/tp heads and G/tp groups; in_proj rows are laid out [z | x | B | C | dt] per
-rank (segments sharded separately), so the local split is the same code as on one device. Context parallel
-(cp.py): in_proj and out_proj run on the rank's positions, an all-to-all in between hands each cp rank whole rows
-of 1/cp of those heads and groups (so H and G divide by tp x cp), whose conv and scan are then exact as they are.
+rank (segments sharded separately), so the local split is the same code as on one device. Context parallel:
+in_proj and out_proj run on the rank's positions, the conv and scan on whole rows of 1/cp of its heads (cp.py).
 
 Shape suffixes (u_BMD is [B, M, D]; widths are this tp rank's share): B batch, L sequence (whole rows), M this cp
 rank's positions of a row (cp.py), D hidden size, I inner width (heads x head dim), C conv channels (I + 2 G N), W

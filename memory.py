@@ -59,7 +59,8 @@ def sizing_model(cfg):
 
 def parameter_counts(cfg):
     """({"vision" | "language": {(expert, etp-sharded, tp-sharded, trained): parameters}}, the language model's
-    largest parameter) of the whole sizing model: all a layout's plan needs of the model. Cached per cfg: building
+    largest parameter, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's plan
+    needs of the model. Cached per cfg: building
     the sizing model takes about a second for Nano, and the layout chooser plans dozens of layouts of one cfg."""
     key = tuple(vars(cfg).items())
     if key not in _COUNTS:
@@ -70,7 +71,8 @@ def parameter_counts(cfg):
                 kinds = comm.shard_kinds(p)
                 g = ("ep" in kinds, "etp" in kinds, "tp" in kinds, p.requires_grad)
                 groups[g] = groups.get(g, 0) + p.numel()
-        _COUNTS[key] = counts, max(p.numel() for p in modules["language"].parameters())
+        _COUNTS[key] = counts, max(p.numel() for p in modules["language"].parameters()), \
+            model.tower_trains(modules["vision"])
     return _COUNTS[key]
 
 
@@ -78,7 +80,7 @@ def local_parameters(cfg, lay):
     """(module kind, expert, trained, parameters, data-parallel size) per parameter group of one rank of `lay`:
     the local slice (/ tp, / (ep x etp) for experts) and the size of the group its gradient is summed over (its
     optimizer domain: vision dp (x cp colocated), language dp x cp, edp)."""
-    counts, _ = parameter_counts(cfg)
+    counts = parameter_counts(cfg)[0]
     for kind, groups in counts.items():
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
         for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
@@ -147,24 +149,24 @@ def vision_tokens(cfg, lay):
     samples, side = lay.vision_micro_batch, cfg.mock_image_size // cfg.vit_patch
     per = side * side + cfg.class_token_len, side * side // 4
     if cfg.video_temporal_patch:
-        th, tw = video.canvas(1, 1, cfg.video_target_patches, cfg.vit_patch)
+        th, tw = video.canvas(1, 1, cfg.video_target_patches)
         n = cfg.seq_len // (th * tw // 4)
         per = max(per, (n * (th * tw + cfg.class_token_len), n * th * tw // 4))
     return samples * per[0], samples * per[1]
 
 
-def tower_trains(stage, train_layers):
+def tower_trains(cfg):
     """Whether the tower runs a backward (and so keeps activations, and on tp > 1 all-reduces its gradients)."""
-    return stage == 3 or (train_layers is not None and "blocks" in train_layers)
+    return parameter_counts(cfg)[2]
 
 
-def vision_activation_bytes(cfg, lay, stage, train_layers=None):
+def vision_activation_bytes(cfg, lay):
     """Bytes autograd keeps for one micro-batch of one vision rank (mock images: one per sample). A frozen tower
     keeps nothing (no input of it needs a gradient); the projector keeps its inputs."""
     S, Q = vision_tokens(cfg, lay)
     C, tp = cfg.vit_hidden, lay.vision_tp
     projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
-    if not tower_trains(stage, train_layers):
+    if not tower_trains(cfg):
         return projector
     per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
     # 1F1B keeps the encoder's activations of two micro-batches (forward m + 1 runs before backward m)
@@ -175,7 +177,7 @@ def plan(cfg, lay, cuda=True):
     """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
     both modules on every rank, both kinds the same."""
     params = parameter_bytes(cfg, lay, cuda)
-    act = {"vision": vision_activation_bytes(cfg, lay, cfg.stage, cfg.train_layers),
+    act = {"vision": vision_activation_bytes(cfg, lay),
            "language": language_activation_bytes(cfg, lay, cfg.micro_batch, cfg.activation_checkpointing)}
     rows = {k: {"weights": params[k]["weights"], "gradients": params[k]["gradients"],
                 "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"],

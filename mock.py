@@ -30,8 +30,6 @@ class MockData:
         self.cfg, self.seed = cfg, seed
         self.fingerprint = f"mock-{cfg.mock_text}-{seed}"
         side = cfg.mock_image_size // cfg.vit_patch
-        if cfg.mock_text not in ("task", "random"):
-            raise SystemExit(f"--mock-text must be task or random, got {cfg.mock_text!r}")
         if cfg.mock_image_size % (2 * cfg.vit_patch):
             raise SystemExit(f"--mock-image-size {cfg.mock_image_size} is not a multiple of 2 x patch "
                              f"({2 * cfg.vit_patch}). Use a multiple of {2 * cfg.vit_patch}")

@@ -174,7 +174,7 @@ class LanguageModel(nn.Module):
         comm.mark_shard(self.lm_head.weight, ("tp", 0, None))
         if cfg.num_nextn_predict_layers:
             self.mtp = MTP(cfg, groups, dispatcher)
-        self.checkpoint_layers = False
+        self.checkpoint_layers = cfg.activation_checkpointing
 
     def embed(self, input_ids):
         return self.backbone.embeddings(input_ids)
@@ -339,14 +339,17 @@ def set_trainable(modules, stage=2, regex=None):
                 train = full.startswith("vision.mlp1.")
             elif stage == 2:
                 train = not full.startswith("vision.") or full.startswith("vision.mlp1.")
-            elif stage == 3:
+            else:   # stage 3 (config.check allows 1, 2, 3)
                 train = True
-            else:
-                raise ValueError(f"--stage must be 1, 2 or 3, got {stage}")
             p.requires_grad_(train)
 
 
 # ---------------------------------------------------------------- initialisation (independent of the layout)
+
+def tower_trains(vision):
+    """Whether the vision tower (all but the projector, mlp1) runs a backward: some parameter of it trains."""
+    return any(p.requires_grad for n, p in vision.named_parameters() if not n.startswith("mlp1."))
+
 
 def init_weights(model, seed, coords, cfg):
     """Draw every parameter as its full tensor from a generator seeded by (seed, name), then keep this rank's

@@ -28,14 +28,14 @@ class Router(nn.Module):
     def __init__(self, cfg, cp_group=None):
         super().__init__()
         self.cp_group = cp_group    # the balance loss's sequences span the cp ranks (seq_aux_loss)
-        E = cfg.n_routed_experts
-        self.top_k, self.scale, self.aux_coeff = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.moe_aux_loss_coeff
+        E, self.top_k, self.scale = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.aux_coeff = cfg.moe_aux_loss_coeff
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         # Expert bias: chosen by the balancing rule, never by the optimizer; kept fp32 (HF name).
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.aux_loss_scale = 1.0  # set per step by set_aux_loss_scale
-        self.force_balance = False  # --moe-force-balance (benchmarks only): token t takes experts t*K .. t*K+K-1 mod E
+        self.force_balance = cfg.moe_force_balance  # benchmarks only: token t takes experts t*K .. t*K+K-1 mod E
 
     def forward(self, x_BLD, valid_BL=None):
         """-> topk ids [B*L, K] (int64), routing weights [B*L, K] (fp32, differentiable)."""
@@ -73,10 +73,8 @@ def seq_aux_loss(scores_BLE, top_k, coeff, valid_BL=None, cp_group=None):
 
 
 class AuxLossInjector(torch.autograd.Function):
-    """Pass `x` through; in backward add d(scale * aux)/d(theta) (Megatron's MoEAuxLossAutoScaler).
-
-    The aux loss never enters the loss scalar. `scale` is the weight of this micro-batch's aux loss in the
-    objective, relative to how the main loss is backpropagated (see set_aux_loss_scale).
+    """Pass `x` through; in backward add d(scale * aux)/d(theta) (Megatron's MoEAuxLossAutoScaler): the aux loss
+    never enters the loss scalar; `scale` weighs it against how the main loss is backpropagated (set_aux_loss_scale).
     """
 
     @staticmethod
@@ -151,10 +149,8 @@ def expert_ffn(x_RZ, w_up, w_down, counts, lora=None):
 
 
 def grouped_mm(x_RI, w_GOI, counts):
-    """Rows of group g times w[g]^T; counts: rows per group, an int tensor.
-
-    bf16 CUDA: one torch grouped GEMM whose offsets stay on the device (counts on the host would cost a stream
-    sync for the copy). Otherwise a loop over groups."""
+    """Rows of group g times w[g]^T; counts: rows per group, an int tensor. bf16 CUDA: one torch grouped GEMM whose
+    offsets stay on the device (counts on the host would cost a stream sync for the copy); else a loop over groups."""
     if x_RI.is_cuda and torch.is_autocast_enabled("cuda"):  # grouped_mm is not autocast-aware
         x_RI = x_RI.to(torch.get_autocast_dtype("cuda"))
     if x_RI.is_cuda and x_RI.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
@@ -179,8 +175,6 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=False)
             for lin in (self.fc1_latent_proj, self.fc2_latent_proj):
                 lin.weight.tp_partial = comm.group_size(tp_group) > 1
-        if dispatcher not in ("alltoall", "deepep"):
-            raise ValueError(f"unknown moe dispatcher {dispatcher!r} (alltoall | deepep)")
         self.deepep = DeepEPDispatch(ep_group, self.num_experts) if dispatcher == "deepep" else None
 
     def forward(self, x_BLD, valid_BL=None):
@@ -215,13 +209,14 @@ class MoE(nn.Module):
         K = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)                 # grouped by expert = by destination rank
-        x_send, unorder = gather_routed(x_TZ, order, K)          # row i = token order[i] // K
+        unorder = inverse_permutation(order)
+        x_send = _GatherRouted.apply(x_TZ, order, unorder, K)    # row i = token order[i] // K
         cnt = count_per_expert(flat, self.num_experts, torch.ones_like(flat))
         if comm.group_size(self.ep_group) * comm.group_size(self.etp_group) == 1:
             y_back = experts(x_send, cnt)                        # one source: no exchange, no host sync
         else:
             y_back = self._exchange(x_send, cnt, experts)
-        return combine_routed(y_back, topk_w, order, unorder)
+        return _CombineRouted.apply(y_back, topk_w, order, unorder)
 
     def _exchange(self, x_send, cnt, experts):
         """Rows (sorted by global expert) to the ranks holding their experts, through them, and back."""
@@ -246,8 +241,8 @@ class MoE(nn.Module):
             x_recv = comm.all_to_all(x_recv.repeat(etp, 1), sizes, [x_recv.shape[0]] * etp, self.etp_group)
         perm = _source_to_expert_order(cnt_src, int(src_h.sum()))
         inv_perm = inverse_permutation(perm)
-        y_exp = experts(permute_rows(x_recv, perm, inv_perm), cnt_src.sum(0))
-        y_recv = permute_rows(y_exp, inv_perm, perm)
+        y_exp = experts(_PermuteRows.apply(x_recv, perm, inv_perm), cnt_src.sum(0))
+        y_recv = _PermuteRows.apply(y_exp, inv_perm, perm)
         if etp > 1:  # sum the ffn-slice partials and keep own rows (the adjoint of the gather above)
             n_own = sum(out_splits)
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
@@ -279,10 +274,6 @@ class _PermuteRows(torch.autograd.Function):
         return grad[inv], None, None
 
 
-def permute_rows(x, idx, inv):
-    return _PermuteRows.apply(x, idx, inv)
-
-
 class _GatherRouted(torch.autograd.Function):
     """Routed copies x[order // K]; backward gathers the copies back to (token, k) order and sums over k."""
 
@@ -299,13 +290,9 @@ class _GatherRouted(torch.autograd.Function):
         return fused.sum_routed(grad.contiguous(), unorder, ones_TK), None, None, None
 
 
-def gather_routed(x_TZ, order, K):
-    unorder = inverse_permutation(order)
-    return _GatherRouted.apply(x_TZ, order, unorder, K), unorder
-
-
 class _CombineRouted(torch.autograd.Function):
-    """out[t] = sum_k w[t, k] * y[unorder[t*K + k]] in one pass; both gradients are gathers again (no atomics)."""
+    """Routed rows (sorted by expert) back to tokens: out[t] = sum_k w[t, k] * y[unorder[t*K + k]] in one pass;
+    both gradients are gathers again (no atomics)."""
 
     @staticmethod
     def forward(ctx, y_RZ, w_TK, order, unorder):
@@ -319,12 +306,6 @@ class _CombineRouted(torch.autograd.Function):
         grad_y = fused.spread_to_routed(g_TZ, order, w_TK) if ctx.needs_input_grad[0] else None
         grad_w = fused.routed_dots(y_RZ, unorder, g_TZ) if ctx.needs_input_grad[1] else None
         return grad_y, grad_w, None, None
-
-
-def combine_routed(y_RZ, w_TK, order, unorder):
-    """Routed rows (in `order`, i.e. sorted by expert) back to tokens: the routing-weighted sum over each
-    token's k copies."""
-    return _CombineRouted.apply(y_RZ, w_TK, order, unorder)
 
 
 def _source_to_expert_order(cnt_SJ, R):
@@ -406,11 +387,9 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
 
 @torch.no_grad()
 def update_expert_bias(model, rate, group=None):
-    """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), then reset counts.
-
-    Counts are summed over the language tp x dp x cp group first (each rank counted distinct tokens).
-    Returns the summed counts [MoE layers, E] (for logging), or None without MoE layers.
-    """
+    """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), the counts summed over the
+    language tp x dp x cp group first (each rank counted distinct tokens), then reset. -> the summed counts [MoE
+    layers, E] (logged), or None without MoE layers."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
     if not routers:
         return None

@@ -1,6 +1,7 @@
 """Everything after backward, in one class (Megatron's distributed optimizer, by hand on torch.distributed): the
 gradient buffers, their reduction, the global norm, clipping, the inf / nan consensus, AdamW and its checkpoint
-state. train.py calls `norm, ok = opt.finish(n_tokens, max_norm)`, then, if ok, `opt.step()`. The rules it keeps
+state, and the learning-rate schedule (learning_rate). train.py calls `norm, ok = opt.finish(n_tokens, max_norm)`,
+then, if ok, `opt.step()`. The rules it keeps
 (per-module sums, one token count, one norm, all ranks skip together): docs/parallel.md §8.
 
 Every trained parameter belongs to one data-parallel domain, the group over which its gradient is summed (vision dp
@@ -338,3 +339,35 @@ def _global_norm(counted, copies):
     dist.all_reduce(local)
     total, check = local.tolist()
     return math.sqrt(total) if math.isfinite(total) and math.isfinite(check) else float("nan")
+
+
+# ---------------------------------------------------------------- the learning-rate schedule
+
+def step_lr(cfg, counters):
+    """The LR of the step after `counters` (a skipped step does not advance the schedule)."""
+    return learning_rate(cfg, counters["good_steps"])
+
+
+def schedule_change(cfg, saved, counters, where):
+    """A resumed run whose flags change the LR schedule moves its LR at once (e.g. a longer --steps re-stretches the
+    cosine): print the LR at the resume step under both."""
+    now, before = step_lr(cfg, counters), step_lr(saved, counters)
+    if now != before:
+        print(f"{where}: the learning rate at step {counters['step'] + 1} is {now:.3g} (it was {before:.3g} under "
+              "the saved schedule)", flush=True)
+
+
+def learning_rate(cfg, it):
+    """LR after `it` successful steps: linear warmup, then cosine / WSD / constant."""
+    warm, end, tail = cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.steps, cfg.lr_wsd_decay_iters
+    if it < warm:
+        return cfg.lr * (it + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    if cfg.lr_schedule == "cosine":
+        progress = min(max((it - warm) / max(end - warm, 1), 0.0), 1.0)
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    tail = tail or max((end - warm) // 10, 1)
+    f = min(max((it - (end - tail)) / tail, 0.0), 1.0)          # 0 while stable, 1 at the end of the tail
+    drop = f if cfg.lr_wsd_decay_style == "linear" else math.sqrt(f)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - drop)

@@ -131,6 +131,11 @@ class ModuleGroups:
         kinds = ("tp",) if self.name == "vision" else ("tp", "ep", "etp")
         return {k: getattr(self, f"{k}_rank") for k in kinds}, {k: getattr(self, f"{k}_size") for k in kinds}
 
+    @property
+    def lane_lead(self):
+        """The rank that counts its data lane's values once (tokens, FLOPs): tp 0, cp 0, the last pp stage."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
+
     def identity(self):
         cp = f" cp{self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
         s = f"{self.name} tp{self.tp_rank}/{self.tp_size}{cp} dp{self.dp_rank}/{self.dp_size}"
@@ -161,6 +166,11 @@ class Parallel:
     def __str__(self):
         parts = [m.identity() for m in (self.vision, self.lm) if m is not None]
         return " | ".join(parts) + f" rank{self.rank}"
+
+
+def one_device():
+    """Both modules in one process without process groups: init.build and vlm.loss on one device."""
+    return Parallel(0, None, ModuleGroups("vision"), ModuleGroups("lm"))
 
 
 VISION_GROUPS = ["tp", "dp-cp"]

@@ -1,13 +1,6 @@
-"""RADIO ViT vision tower, 2x2 pixel shuffle and projector (docs/vision.md).
-
-Flow for a microbatch of n images and video tubelets (docs/vision.md §5-7, §11):
-  patches [T, 3p²] --Linear (a tubelet's t frame rows per patch: the video Linear on [N, t*3p²])--> + per-image CPE
-  --> [cls_0, img_0, cls_1, img_1, ...] (one packed sequence)
-  --> pre-LN blocks with block-diagonal attention --> drop class tokens --> per-image 2x2 shuffle [T/4, 4C]
-  --> RMSNorm -> Linear -> ReLU² -> Linear --> [T/4, D] in image order.
-Tensor parallel (Megatron style) splits attention heads and the MLP width over `tp_group`; everything else,
-including the projector, is replicated and computed redundantly on every TP rank.
-Image preprocessing helpers (token budget, resize, normalise, patchify) live at the bottom.
+"""RADIO ViT vision tower, 2x2 pixel shuffle and projector (docs/vision.md; the forward: §5-7, §11), and the image
+preprocessing (token budget, resize, normalise, patchify). Tensor parallel (Megatron style) splits attention heads
+and the MLP width over `tp_group`; everything else, the projector included, is replicated on every TP rank.
 
 Shape suffixes (x_SC is [S, C]; a dim that tp splits is this rank's share of it):
   S packed sequence (every image's K class tokens and its patches)   T patches of the micro-batch (sum of h*w)
@@ -69,27 +62,16 @@ def cpe_random_crop(table_1PC, h, w, R):
 
 # ---------------------------------------------------------------- attention over a packed sequence
 
-def block_diag_mask(seqlens, device):
-    """[S, S] boolean, True where query and key belong to the same image (its class tokens included)."""
-    seg_S = torch.repeat_interleave(torch.arange(len(seqlens), device=device),
-                                    torch.tensor(seqlens, device=device))
-    return seg_S[:, None] == seg_S[None, :]
-
-
 def packed_attention(q_SAd, k_SAd, v_SAd, seqlens, mode=None):
-    """Bidirectional attention restricted to each image's segment. -> [S, H, hd].
-
-    mode "mask": one SDPA call with the block-diagonal boolean mask (exact; the CPU path; O(S²) memory).
-    mode "loop": one unmasked SDPA call per image (the CUDA path).
-    CUDA choice: per-image unmasked SDPA runs the flash kernel (no S² mask, no compile, no private varlen op);
-    measured on H200, torch 2.11, bf16, ViT-H heads: 2-9x faster than the masked call and than nested-jagged
-    SDPA, from 1x13k to 32x266-token images (e.g. 4x4106: 4.1 ms fwd+bwd vs 32 mask / 14 NJT).
-    """
+    """Bidirectional attention restricted to each image's segment -> [S, A, d]: mode "mask" (the CPU's) one SDPA
+    call with the block-diagonal mask (O(S²) memory), "loop" (CUDA's) one unmasked SDPA call per image. On CUDA that
+    runs the flash kernel: on H200, torch 2.11, bf16, ViT-H heads, 2-9x faster than the masked call and than
+    nested-jagged SDPA, from 1x13k to 32x266-token images (4x4106: 4.1 ms fwd+bwd vs 32 mask / 14 NJT)."""
     mode = mode or ("loop" if q_SAd.is_cuda else "mask")
     q, k, v = (t.transpose(0, 1)[None] for t in (q_SAd, k_SAd, v_SAd))   # [1, A, S, d]: 4-D, or no flash
     if mode == "mask" and len(seqlens) > 1:
-        mask_SS = block_diag_mask(seqlens, q.device)
-        o_1ASd = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS)
+        seg_S = torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens)).to(q.device)
+        o_1ASd = F.scaled_dot_product_attention(q, k, v, attn_mask=seg_S[:, None] == seg_S[None, :])
     elif len(seqlens) == 1:
         o_1ASd = F.scaled_dot_product_attention(q, k, v)
     else:
@@ -194,8 +176,8 @@ class VisionModel(nn.Module):
         self.mlp1 = nn.ModuleDict({"0": fused.RMSNorm(4 * C, eps=1e-5),
                                    "1": _linear(4 * C, cfg.projector_hidden, bias=False),
                                    "3": _linear(cfg.projector_hidden, cfg.hidden_size, bias=False)})
-        if cfg.num_nextn_predict_layers:   # Megatron gives every block built from a config with MTP a final norm, the
-            self.final_layernorm = nn.LayerNorm(C, eps=1e-6)   # tower too: its features, before the shuffle (3.5 Super VL)
+        if cfg.num_nextn_predict_layers:   # Megatron gives every block built from a config with MTP a final norm,
+            self.final_layernorm = nn.LayerNorm(C, eps=1e-6)   # the tower too: before the shuffle (3.5 Super VL)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -206,12 +188,6 @@ class VisionModel(nn.Module):
         ranks, sizes = {"tp": comm.group_rank(self.tp_group)}, {"tp": comm.group_size(self.tp_group)}
         for name, prm in self.named_parameters():
             comm.init_shard(prm, name, self.cfg.seed + SEED, rule(name, self.cfg.vit_hidden), ranks, sizes, "cpu")
-
-    def pos_enc(self, h, w):
-        R = self.cfg.vit_cpe_grid
-        if self.training and self.cfg.vit_random_crop_cpe:
-            return cpe_random_crop(self.pos_embed, h, w, R)
-        return cpe_eval(self.pos_embed, h, w, R)
 
     def embed(self, patches, lens, frames):
         """Patch rows -> [T, C] in item order: an image's rows through `embedder`, a tubelet's t rows per patch (its
@@ -237,25 +213,19 @@ class VisionModel(nn.Module):
         lens = [h * w for h, w in grids]
         assert patches.shape[0] == sum(n * t for n, t in zip(lens, frames)), \
             f"{patches.shape[0]} patch rows for grids {grids} of {frames} frames"
-        K = self.cfg.class_token_len
-        x_TC = self.embed(patches, lens, frames)
-        cache = {}                                                    # eval CPE is the same for equal grids
-        pos = []
+        K, crop = self.cfg.class_token_len, self.training and self.cfg.vit_random_crop_cpe
+        cache, pos = {}, []                                          # eval CPE is the same for equal grids
         for hw in grids:
-            if hw not in cache or self.training and self.cfg.vit_random_crop_cpe:
-                cache[hw] = self.pos_enc(*hw)
+            if hw not in cache or crop:
+                cache[hw] = (cpe_random_crop if crop else cpe_eval)(self.pos_embed, *hw, self.cfg.vit_cpe_grid)
             pos.append(cache[hw])
-        x_TC = x_TC + torch.cat(pos)
+        x_TC = self.embed(patches, lens, frames) + torch.cat(pos)
         # One packed sequence [cls, img0, cls, img1, ...]; segment i = K class tokens + N_i patches.
         x_SC = torch.cat([t for c in x_TC.split(lens) for t in (self.cls_token.to(x_TC.dtype), c)])
         seqlens = [n + K for n in lens]
         for blk in self.blocks:
             x_SC = blk(x_SC, seqlens)
         return torch.cat([seg[K:] for seg in x_SC.split(seqlens)])
-
-    def project(self, x_QX):
-        """HF mlp1: RMSNorm (fp32 inside) -> Linear -> squared ReLU -> Linear, no biases (docs/vision.md §7)."""
-        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_QX))))
 
     def forward(self, patches, grids, frames=None):
         """patches: list of [N_i, 3p²] or packed [Σ N_i, 3p²] (normalised, patchified: docs/vision.md §1; a tubelet
@@ -268,7 +238,7 @@ class VisionModel(nn.Module):
         if hasattr(self, "final_layernorm"):
             x_TC = fused.layer_norm(x_TC, self.final_layernorm)
         x_QX = torch.cat([pixel_shuffle(c, h, w) for c, (h, w) in zip(x_TC.split([h * w for h, w in grids]), grids)])
-        return self.project(x_QX)
+        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_QX))))   # HF mlp1 (vision.md §7)
 
 
 def hf_name(key):
@@ -311,11 +281,9 @@ def resize(img_3HW, th, tw, p):
 
 
 def grid_for(H, W, budget, min_patches, p=16):
-    """Patch grid (th, tw) for an H×W px image under `budget` patches (canonical tiler, docs/vision.md §8):
-    transformers' nemotron_h_omni get_patch_grid_size, except where that one floors a thin image's short side to 0
-    patches (or divides by 0): here every side is at least 2 patches (the pixel shuffle's minimum), as
-    transformers gives thin images under larger budgets; the grid may then exceed the budget, like transformers'
-    does."""
+    """Patch grid (th, tw) for an H×W px image under `budget` patches (docs/vision.md §8): transformers' Omni
+    get_patch_grid_size, except that every side is at least 2 patches (the shuffle's minimum) where that one floors a
+    thin image's short side to 0 (or divides by 0); the grid may then exceed the budget, as transformers' may."""
     ch, cw = round(H / p + 0.5), round(W / p + 0.5)      # Python round (half-to-even): docs/vision.md §8
     f = min(math.sqrt(budget / (ch * cw)), 1.0)          # never upscale here
     th, tw = max(math.floor(f * ch), 1), max(math.floor(f * cw), 1)

@@ -1,30 +1,12 @@
-"""What a command line continues, and the one Config it runs with. A checkpoint is its run: config.json holds the
-whole Config (the run record), tokenizer/ a copy of the run's HF tokenizer, source/ the files of the HF directory
-the run started from that export-hf carries through (hf_interop.copy_source), meta.json the run's `lineage`.
-
-  no --load               a fresh run: the preset's defaults, then the flags
-  --load HF_DIR           a fresh run from released weights: the model from its config.json (flags that change its
-                          shape are refused), the fields HF does not carry from --preset, its tokenizer if it has one
-  --load CKPT --finetune  a fresh run from saved weights: the model, its adapters and tokenizer from CKPT's record,
-                          the rest from --preset and the flags; fresh optimizer and counters
-  --load CKPT             resumes CKPT's run (training, --eval-only and export-hf alike): its record, with the flags
-                          given applied. A flag that would change the model (config.FIXED_ON_RESUME: the model's
-                          fields, the preset, LoRA rank / alpha / targets, a tokenizer of other content) is refused;
-                          any other change (steps, layout, batch split, data, lr schedule, save cadence, ...) applies
-                          and is logged. It saves on where it was loaded from (a copy of a run into the copy). Layout
-                          flags given replace the saved ones as a whole; a run saved on another number of ranks
-                          chooses its layout anew (its flags could not apply).
-Requeue: a line whose --save DIR holds a complete checkpoint is either that run's, and resumes from it rather than
-starting again (so resubmitting the same line after a preemption continues the run), or refused. It is the run's
-  (i)   when --load is DIR (its newest complete step) or one of its step directories (that step; --finetune there
-        is refused: a new run would save over DIR's),
-  (ii)  when --load is where the run came from (its lineage: the HF directory, checkpoint or step it started or
-        branched from), resuming DIR's newest complete step; a --finetune line so resumes its fine-tune, or
-  (iii) with no --load, when the run started fresh and the line describes its model (config.MODEL_FIELDS and the
-        preset, as config.resolve makes them from the line), resuming DIR's newest complete step.
-Any other line is refused in one line naming what differs, never resumed nor overwritten. A run never saves over
-later steps: resuming step S into a save directory that holds a complete step after S (--load DIR/step_S, which
-saves on into DIR) is refused; --save NEW_DIR branches it there, and the same line again resumes NEW_DIR.
+"""What a command line continues, and the one Config it runs with (docs/checkpoints.md §1, §2, §4). A checkpoint
+is its run: config.json holds the whole Config (the run record), tokenizer/ a copy of the run's HF tokenizer, source/
+the files of the HF directory the run started from that export-hf carries through (hf_interop.copy_source),
+meta.json the run's `lineage`. A line is a fresh run (no --load), a fresh run from released weights (--load HF_DIR;
+flags that change the model's shape are refused), a fresh run from saved weights (--load CKPT --finetune), or CKPT's
+run resumed (--load CKPT, for training, --eval-only and export-hf alike): its record with the flags given applied,
+refusing those that would change the model (config.FIXED_ON_RESUME), saving on where it was loaded from; a run saved
+on another number of ranks chooses its layout anew. A line whose --save holds a complete checkpoint resumes it or is
+refused (_requeue); a run never saves over later steps.
 """
 import dataclasses
 import os
@@ -100,8 +82,13 @@ def resolve(inv, given, world, say):
 
 
 def _requeue(inv, given, say):
-    """(what to load, whether it is --save's run resumed by (ii) or (iii)): --load as given, or --save's newest
-    checkpoint when the line is that run's (the docstring); the line of another run is refused."""
+    """(what to load, whether it is --save's run resumed by (ii) or (iii)): --load as given, or, when --save DIR holds
+    a complete checkpoint, DIR's newest complete step if the line is that run's:
+      (i)   --load is DIR or one of its step directories (that step; --finetune there is refused: a new run would
+            save over DIR's),
+      (ii)  --load is where the run came from (its lineage; a --finetune line so resumes its fine-tune), or
+      (iii) no --load, the run started fresh and the line describes its model (config.MODEL_FIELDS and the preset);
+    any other line is refused in one line naming what differs."""
     save, load = given.get("save"), inv.load
     if save is None or inv.eval_only:
         return load, False

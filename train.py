@@ -2,10 +2,9 @@
 
 One step (docs/parallel.md §7-8), every rank running the lines of the module(s) it holds:
   N_global = loss tokens of the whole step (one all-reduce)      -> per-token loss for both modules
-  for each micro-batch:  vision: encode its samples, bridge.send, then the backward of the previous micro-batch
-                         (1F1B: the encoder's forward m+1 overlaps the language side's work on m)
-                         language: bridge.recv, place image rows, forward, backward(sum of token losses), send_grad
-  vision: the last micro-batch's backward
+  schedule.train: the micro-batches in 1F1B order over the bridge (schedule.py), each one
+                  vision: vlm.encode its samples -> rows, sent to the language lanes that own the samples
+                  language: vlm.language_loss on the rows received -> LossParts; backward of their sum (+ MTP)
   opt.finish: reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all
   ranks agree); then AdamW step, expert-bias update, LR schedule (only after a successful step)
 
@@ -35,7 +34,6 @@ import checkpoint
 import cli
 import comm
 import config
-import cp
 import data
 import failsafe
 import init
@@ -48,52 +46,13 @@ import moe
 import optim
 import parallel
 import resume
+import vlm
 import watchdog
 from bridge import Bridge
 from radio import VisionModel
+from schedule import Schedule
 
 MOCK_EVAL_SAMPLES = 32  # mock data has no end: an evaluation scores this many of its samples unless told
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
-
-
-def peak_tflops(device):
-    """Dense bf16 peak of this CUDA device from PEAK_TFLOPS (None on CPU or an unlisted GPU)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def step_lr(cfg, counters):
-    """The LR of the step after `counters` (skipped steps advance neither steps nor samples)."""
-    return learning_rate(cfg, counters["good_steps"], counters["good_steps"] * cfg.global_batch)
-
-
-def schedule_change(cfg, saved, counters, where):
-    """A resumed run whose flags change the LR schedule moves its LR at once (e.g. a longer --steps re-stretches the
-    cosine): print the LR at the resume step under both."""
-    now, before = step_lr(cfg, counters), step_lr(saved, counters)
-    if now != before:
-        print(f"{where}: the learning rate at step {counters['step'] + 1} is {now:.3g} (it was {before:.3g} under "
-              "the saved schedule)", flush=True)
-
-
-def learning_rate(cfg, it, samples):
-    """LR after `it` successful steps / `samples` consumed samples: linear warmup, then cosine / WSD / constant."""
-    if cfg.train_samples:
-        x, warm, end, tail = samples, cfg.lr_warmup_samples, cfg.lr_decay_samples or cfg.train_samples, \
-            cfg.lr_wsd_decay_samples
-    else:
-        x, warm, end, tail = it, cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.steps, cfg.lr_wsd_decay_iters
-    if x < warm:
-        return cfg.lr * (x + 1) / warm
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    if cfg.lr_schedule == "cosine":
-        progress = min(max((x - warm) / max(end - warm, 1), 0.0), 1.0)
-        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-    tail = tail or max((end - warm) // 10, 1)
-    f = min(max((x - (end - tail)) / tail, 0.0), 1.0)           # 0 while stable, 1 at the end of the tail
-    drop = f if cfg.lr_wsd_decay_style == "linear" else math.sqrt(f)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1 - drop)
 
 
 @dataclasses.dataclass
@@ -104,7 +63,7 @@ class Run:
     lay: layout.Layout
     par: object                          # parallel.setup(): this rank's groups and coordinates
     device: torch.device
-    log_rank: bool                       # language tp 0 / cp 0 / dp 0 prints (it knows the loss)
+    log_rank: bool                       # language lane lead of dp 0 prints (it knows the loss)
     own_group: bool                      # we created the process group (tests call main() inside one)
     vision: VisionModel = None
     lm: model.LanguageModel = None
@@ -114,13 +73,8 @@ class Run:
     train_loader: data.Loader = None
     eval_set: data.EvalSet = None        # the fixed samples every evaluation scores
     eval_loader: data.Loader = None
-    bridge: Bridge = None
+    schedule: Schedule = None            # the order of the micro-batches' work around the bridge
     counters: dict = None                # step, good_steps, consumed_samples, skipped (checkpoint.FRESH)
-    flops: int = 0                       # model FLOPs this rank counted in the current step (MFU)
-    real_tokens: int = 0                 # non-padding tokens of this language lane in the current step
-    expert_counts: torch.Tensor = None   # per MoE layer and expert, the current step's routed tokens
-    mtp_weights: list = None             # per MTP depth: the weight of its token losses in this step's backward
-    mtp_sums: list = None                # per MTP depth: this lane's sum of its token losses in this step
 
     @property
     def modules(self):
@@ -178,7 +132,7 @@ def setup(cfg, inv, lay, start, device):
     watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
-    lead = par.lm is not None and par.lm.tp_rank == par.lm.cp_rank == par.lm.dp_rank == 0   # prints the loss
+    lead = par.lm is not None and par.lm.lane_lead and par.lm.dp_rank == 0   # prints the loss
     run = Run(cfg, start, lay, par, device, lead, own_group)
     source = start.load   # a step directory, or hf_interop.HFSource: whatever it holds is loaded, not drawn
     if source is not None and not hasattr(source, "read"):
@@ -187,11 +141,6 @@ def setup(cfg, inv, lay, start, device):
     run.vision, run.lm = modules.get("vision"), modules.get("language")
     if par.in_vision:
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
-    if par.in_lm:
-        run.lm.checkpoint_layers = cfg.activation_checkpointing
-        for m in run.lm.modules():
-            if isinstance(m, moe.Router):
-                m.force_balance = cfg.moe_force_balance
     run.opt = optim.build(par, run.vision, run.lm, cfg, device)
 
     run.tokenizer = data.load_tokenizer(start.tokenizer, cfg)
@@ -213,7 +162,7 @@ def setup(cfg, inv, lay, start, device):
                     "the mock task's evaluation set (seed + 1)" if cfg.data == "mock" else
                     f"the held-out --eval-frac {cfg.eval_frac} of --data {cfg.data}")
             print(f"--eval-only: scoring {run.eval_set.n} samples of {what}", flush=True)
-    run.bridge = Bridge(par, device)
+    run.schedule = Schedule(Bridge(par, device))
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
         run.counters = comm.on_every_rank(  # one rank's error (its rank json) ends every rank
@@ -221,7 +170,7 @@ def setup(cfg, inv, lay, start, device):
             finetune=start.weights_only, load_optim=not (inv.no_load_optim or inv.eval_only),
             load_rng=not inv.no_load_rng)
     if start.kind == "resume" and rank == 0 and not inv.eval_only:
-        schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
+        optim.schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
                         f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
     return run
 
@@ -236,128 +185,95 @@ def datasets(cfg, tokenizer, verbose):
     return train_data, mock.MockData(cfg, cfg.seed + 1)
 
 
-def microbatch(run, ds, first, train):
-    """One global micro-batch of samples [first, first + mbs*lm_dp): this rank's share of it.
-    Returns the sum of token losses on language ranks, zero elsewhere."""
-    cfg, lay, par, device = run.cfg, run.lay, run.par, run.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    loss_sum = torch.zeros((), device=device)
-    if run.vision is not None:
-        own = parallel.lane_samples(lay, "vision", par.vision.dp_rank)
-        patches, grids, rows, frames = data.collate_images([ds[first + i] for i in own], cfg)
-        with autocast:
-            out = run.vision(model.host_to_device(patches, device), grids, frames)
-        if train and par.vision.tp_rank == 0 and par.vision.cp_rank == 0:  # MFU: the tower's FLOPs count once
-            # (colocated cp ranks encode the same images), when it trains, not when frozen
-            tower_trains = any(p.requires_grad for n, p in run.vision.named_parameters() if "mlp1" not in n)
-            run.flops += model.vision_flops(cfg, grids, tower_trains, frames)
-        run.bridge.send(out, rows)
-        if train and run.bridge.in_flight == 2:  # 1F1B: the previous microbatch's backward after this forward
-            run.bridge.backward_encoder()
-    if run.lm is not None:
-        x, rows = run.bridge.recv()
-        samples = [ds[first + i] for i in parallel.lane_samples(lay, "lm", par.lm.dp_rank)]
-        ids, labels, seq_idx, valid = data.collate_text(samples)
-        cp_at = (par.lm.cp_rank, par.lm.cp_size)   # this rank's positions of the rows (cp.py); seq_idx and the
-        ids_dev, labels_BL, seq_idx, valid = (None if t is None else model.host_to_device(t, device) for t in
-                                              (cp.local(ids, *cp_at), labels, seq_idx,   # labels (MTP) whole
-                                               None if valid is None else cp.local(valid, *cp_at)))
-        with autocast:  # seq_idx: document ids of packed rows; valid: False on padding
-            h = model.place_images(run.lm.embed(ids_dev), ids, x, rows, cfg.image_token_id, *cp_at)
-            if not x.numel():  # text only: an exact 0 ties the loss to the (empty) rows, so a frozen language
-                h = h + x.requires_grad_().sum()  # model still runs the backward (its collectives) every lane runs
-            hidden = run.lm(h, seq_idx, valid)
-            s, _ = run.lm.loss_sum(hidden, cp.local(labels_BL, *cp_at))
-            if train and run.mtp_weights:   # weighted so the step's gradient is scale / D x sum_k (mean loss of k)
-                mtp = run.lm.mtp_losses(hidden, h, labels_BL, seq_idx, valid)
-                run.mtp_sums = [a + b.detach().float() for a, b in zip(run.mtp_sums, mtp)]
-        if train:
-            (s + sum(w * m for w, m in zip(run.mtp_weights, mtp)) if run.mtp_weights else s).backward()
-            run.bridge.send_grad()
-            if par.lm.tp_rank == 0:
-                run.flops += ids_dev.numel() * model.lm_flops_per_token(cfg, cfg.seq_len)
-                run.real_tokens += sum(len(x.input_ids) - x.n_pad for x in samples)
-        loss_sum = s.detach().float()
-    if not train:
-        run.bridge.release()
-    return loss_sum
+def lane_samples(run, ds, first, side):
+    """This rank's data lane's samples ("vision" or "lm" `side`) of the micro-batch that starts at sample `first`."""
+    m = run.par.vision if side == "vision" else run.par.lm
+    return [ds[first + i] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
+
+
+def work(run, samples, mtp_weights=()):
+    """(encode, language) of this rank for schedule.Schedule (None for a module it does not hold); samples(k, side):
+    the lane's samples of micro-batch k. mtp_weights: per MTP depth, its token losses' weight in the backward."""
+    cfg, par = run.cfg, run.par
+
+    def encode(k):
+        return vlm.encode(run.vision, samples(k, "vision"), cfg)
+
+    def language(k, rows, per_sample):
+        parts = vlm.language_loss(run.lm, rows, per_sample, samples(k, "lm"), cfg, (par.lm.cp_rank, par.lm.cp_size),
+                                  mtp=bool(mtp_weights))
+        return parts, parts.sum + sum(w * m for w, m in zip(mtp_weights, parts.mtp))
+    return encode if run.vision is not None else None, language if run.lm is not None else None
 
 
 def global_token_count(par, local_counts):
     """Token counts over all language lanes and micro-batches of the step, known on every rank: N_global (loss
     tokens) and the like. `local_counts` is this language lane's list (anything of its length on vision-only
-    ranks): only a lane's tp-0 / cp-0 / last-pp rank contributes, and one SUM over WORLD makes the totals known on
-    both grids (colocated too)."""
-    m = par.lm
-    lead = m is not None and m.tp_rank == 0 and m.cp_rank == 0 and m.pp_rank == m.pp_size - 1
+    ranks): only a lane's lead (ModuleGroups.lane_lead) contributes, and one SUM over WORLD makes the totals known
+    on both grids (colocated too)."""
+    lead = par.lm is not None and par.lm.lane_lead
     t = torch.tensor([int(n) if lead else 0 for n in local_counts], dtype=torch.int64, device=comm.device())
     dist.all_reduce(t)
     return t.tolist()
 
 
-def lane_tokens(run, ds, first_sample, n_micro, depths=0):
-    """[loss tokens, then each MTP depth's targets] of this language lane's samples in n_micro micro-batches from
-    first_sample (zeros off language)."""
-    if run.lm is None:
-        return [0] * (1 + depths)
-    own, spm = parallel.lane_samples(run.lay, "lm", run.par.lm.dp_rank), run.lay.samples_per_microbatch
-    samples = [ds[first_sample + m * spm + i] for m in range(n_micro) for i in own]
-    return [sum(int((model.mtp_labels(s.labels, s.seq_idx, k) if k else s.labels).ne(-100).sum()) for s in samples)
-            for k in range(1 + depths)]
+def lane_counts(samples, depths=0):
+    """[loss tokens, non-padding tokens, then each MTP depth's targets] of a language lane's samples."""
+    return [sum(int(s.labels.ne(-100).sum()) for s in samples), sum(len(s.input_ids) - s.n_pad for s in samples),
+            *[sum(int(model.mtp_labels(s.labels, s.seq_idx, k).ne(-100).sum()) for s in samples)
+              for k in range(1, 1 + depths)]]
 
 
-def reduce_loss(run, loss_sum):
+def reduce_loss(run, sums):
+    """The sum of a language lane's loss sums (tensors) over all lanes and cp ranks (0.0 off language)."""
     if run.lm is None:
         return 0.0
-    dist.all_reduce(loss_sum, group=run.par.lm.dp_cp)
-    return loss_sum.item()
+    total = sum(sums, torch.zeros((), device=run.device))
+    dist.all_reduce(total, group=run.par.lm.dp_cp)
+    return total.item()
 
 
 def train_step(run, step, stop, first=False):
-    """One optimizer step (the module docstring) -> its history entry, or None when a signal (`stop`, every rank
-    agreeing at micro-batch boundaries) abandoned it; updates run.counters. `first`: the process's first step
-    (it compiles: the watchdog allows it more)."""
-    cfg, lay, lm, c = run.cfg, run.lay, run.lm, run.counters
+    """One optimizer step (the module docstring) -> (its history entry, {"flops": this rank's share of the model
+    FLOPs, "expert_counts": per MoE layer and expert, the routed tokens, or None}), or None when a signal (`stop`,
+    every rank agreeing at micro-batch boundaries) abandoned it; updates run.counters. `first`: the process's first
+    step (it compiles: the watchdog allows it more)."""
+    cfg, lay, par, lm, c = run.cfg, run.lay, run.par, run.lm, run.counters
     t0 = time.perf_counter()
     watchdog.mark(f"step {step + 1}", first)
     rng = checkpoint.rng_state()
-    lr = step_lr(cfg, c)
+    lr = optim.step_lr(cfg, c)
     for g in run.opt.param_groups:
         g["lr"] = lr
-    base, n_micro = step * cfg.global_batch, lay.num_microbatches
+    base, n_micro, spm = step * cfg.global_batch, lay.num_microbatches, lay.samples_per_microbatch
     batch = run.train_loader.step(base, n_micro)  # {sample index: Sample}: this rank's samples of the step
     if isinstance(run.train_data, failsafe.SkipBad):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
+
+    def samples(k, side):
+        return lane_samples(run, batch, base + k * spm, side)
+    ours = {side: [s for k in range(n_micro) for s in samples(k, side)] if held else []
+            for side, held in (("vision", run.vision is not None), ("lm", lm is not None))}
     depths = model.mtp_depths(cfg)
-    n_global, *n_mtp = global_token_count(run.par, lane_tokens(run, batch, base, n_micro, depths))
+    n_global, n_real, *n_mtp = global_token_count(par, lane_counts(ours["lm"], depths))
     # MTP: each depth's token losses weighted so that after the division by N_global they add scale / D x its mean
-    run.mtp_weights = [n_global * cfg.mtp_loss_scale / (depths * max(n, 1)) for n in n_mtp]
-    run.mtp_sums = [torch.zeros((), device=run.device) for _ in n_mtp]
+    weights = [n_global * cfg.mtp_loss_scale / (depths * max(n, 1)) for n in n_mtp]
     if lm is not None:
         moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
-    loss_sum = torch.zeros((), device=run.device)
-    run.flops = run.real_tokens = 0
-    for k in range(n_micro):  # signal checks: language ranks before a micro-batch, vision after (failsafe.py)
-        watchdog.mark(f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first)
-        if lm is not None and stop():
-            break
-        loss_sum += microbatch(run, batch, base + k * lay.samples_per_microbatch, train=True)
-        if lm is None and stop():
-            break
-    if stop.agreed:
-        failsafe.abandon_step(run.bridge, run.modules, run.opt, run.train_loader, base, rng)
+    parts = run.schedule.train(n_micro, *work(run, samples, weights), stop, lambda k: watchdog.mark(
+        f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first))
+    if parts is None:
+        failsafe.abandon_step(run.modules, run.opt, run.train_loader, base, rng)
         return None
     watchdog.mark(f"step {step + 1}, after its micro-batches", first)
-    while run.bridge.in_flight:  # the encoder's last backward (1F1B cool-down)
-        run.bridge.backward_encoder()
     norm, ok = run.opt.finish(n_global, cfg.clip_grad)   # reduce, norm, divide, clip; or all ranks skip
-    run.expert_counts = None
+    expert_counts = None
     if ok:
         run.opt.step()
         if lm is not None:
             # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
             rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
-            run.expert_counts = moe.update_expert_bias(lm, rate, run.par.lm.tp_dp_cp)
+            expert_counts = moe.update_expert_bias(lm, rate, par.lm.tp_dp_cp)
         c["good_steps"] += 1
     else:
         c["skipped"] += 1
@@ -366,37 +282,44 @@ def train_step(run, step, stop, first=False):
     c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
     run.opt.zero_grad()
-    loss = reduce_loss(run, loss_sum) / max(n_global, 1)
-    mtp = [reduce_loss(run, s) / max(n, 1) for s, n in zip(run.mtp_sums, n_mtp)]   # logged apart, per depth
+    loss = reduce_loss(run, [p.sum.detach().float() for p in parts]) / max(n_global, 1)
+    mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts]) / max(n, 1)   # logged apart, per depth
+           for d, n in enumerate(n_mtp)]
+    # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
+    flops = sum(vlm.flops(cfg, ours[side], side.replace("lm", "language"), tower_trains) for side, m, tower_trains
+                in (("vision", par.vision, run.vision is not None and model.tower_trains(run.vision)),
+                    ("lm", par.lm, True)) if m is not None and m.lane_lead)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return {"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr, "ok": ok,
-            "step_time_s": time.perf_counter() - t0, **({"mtp_loss": mtp} if mtp and lm is not None else {})}
+            "tokens": n_real, "step_time_s": time.perf_counter() - t0,
+            **({"mtp_loss": mtp} if mtp and lm is not None else {})}, {"flops": flops, "expert_counts": expert_counts}
 
 
 def evaluate(run, stop, first=False):
     """Score every sample of run.eval_set once -> {eval_loss (per token), eval_ppl, eval_tokens, eval_samples}, or
-    None when a signal stopped it (`stop`: every rank checks before each micro-batch; failsafe.py says why that
-    pairs with the bridge). The samples and their tokens are the same in every layout, so are the numbers (up to
-    summation order). `first`: the process's first evaluation (it compiles: the watchdog allows it more)."""
+    None when a signal stopped it (`stop`: schedule.py says where it is checked). The samples and their tokens are
+    the same in every layout, so are the numbers (up to summation order). `first`: the process's first evaluation
+    (it compiles: the watchdog allows it more)."""
     spm = run.lay.samples_per_microbatch
+    n_micro, loaded = -(-len(run.eval_set) // spm), {}
+
+    def samples(k, side):   # one micro-batch loaded at a time: eval sets can be large
+        if k not in loaded:
+            loaded.clear()
+            loaded[k] = run.eval_loader.step(k * spm, 1)
+        return lane_samples(run, loaded[k], k * spm, side)
     for m in run.modules.values():
         m.eval()
-    total, tokens = torch.zeros((), device=run.device), 0
     with torch.no_grad():
-        for i in range(0, len(run.eval_set), spm):  # one micro-batch at a time: eval sets can be large
-            watchdog.mark(f"evaluation, micro-batch {i // spm + 1}/{-(-len(run.eval_set) // spm)}", first)
-            if stop():
-                break
-            batch = run.eval_loader.step(i, 1)
-            total += microbatch(run, batch, i, train=False)
-            tokens += lane_tokens(run, batch, i, 1)[0]
+        parts = run.schedule.evaluate(n_micro, *work(run, samples), stop, lambda k: watchdog.mark(
+            f"evaluation, micro-batch {k + 1}/{n_micro}", first))
     for m in run.modules.values():
         m.train()
-    if stop.agreed:
+    if parts is None:
         return None
-    n, = global_token_count(run.par, [tokens])
-    loss = reduce_loss(run, total) / max(n, 1)
+    n, = global_token_count(run.par, [sum(p.tokens for p in parts)])
+    loss = reduce_loss(run, [p.sum.float() for p in parts]) / max(n, 1)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
             "eval_samples": run.eval_set.n}
 
@@ -412,14 +335,13 @@ def evaluate_only(run, stop):
     return [result] if result else []
 
 
-def step_record(run, h, log):
-    """The step's log record from its history entry (every rank takes part: two collectives)."""
-    cfg, world = run.cfg, dist.get_world_size()
+def step_record(run, h, local, log):
+    """The step's log record from its history entry and train_step's local values (every rank takes part)."""
+    cfg, world, tokens = run.cfg, dist.get_world_size(), h["tokens"]
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
-    dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), run.flops))
+    dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"]))
     h["model_flops"] = sum(f for _, f in per_rank)
-    h["tokens"] = tokens = global_token_count(run.par, [run.real_tokens])[0]
-    dt, elapsed, peak = h["step_time_s"], log.elapsed(), peak_tflops(run.device)
+    dt, elapsed, peak = h["step_time_s"], log.elapsed(), logs.peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
            "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
@@ -428,8 +350,8 @@ def step_record(run, h, log):
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
            "peak_mem_gib_per_rank": [m for m, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}
-    if run.expert_counts is not None and cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0:
-        rec["moe"] = logs.moe_stats(run.expert_counts)
+    if local["expert_counts"] is not None and cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0:
+        rec["moe"] = logs.moe_stats(local["expert_counts"])
     return rec
 
 
@@ -454,16 +376,17 @@ def train(run, stop):
         m.train()
     failsafe.nothing_to_train(run.counters, cfg.steps, start.load if start.kind == "resume" else None, log.say)
     first, evaluated = run.counters["step"], False   # the first step and evaluation of the process compile
-    h = None   # the last step's entry; None after a signal stopped a step
+    out = None   # the last step's; None after a signal stopped a step
     for step in range(first, cfg.steps):
-        h = train_step(run, step, stop, first=step == first)
-        if h is None:
+        out = train_step(run, step, stop, first=step == first)
+        if out is None:
             break
+        h, local = out
         history.append(h)
         bad_steps = 0 if h["ok"] else bad_steps + 1
         failsafe.check_finite_run(bad_steps, cfg.max_skipped_steps, h["grad_norm"], cfg.save)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            log.step(step_record(run, history[-1], log))
+            log.step(step_record(run, h, local, log))
         log.bar.update(1)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             result = evaluate(run, stop, first=not evaluated)
@@ -481,7 +404,7 @@ def train(run, stop):
         saver.close()  # waits for an async save in flight
     if stop.agreed:
         log.say(failsafe.stop_message(stop.agreed, run.counters["step"], cfg.save, saved=bool(history),
-                                      evaluating=h is not None))
+                                      evaluating=out is not None))
     log.close(run.counters["step"], cfg.save)
     return history
 

@@ -1,20 +1,14 @@
-"""The Mamba kernels' start-up: mamba_ssm's fused Mamba2 function loaded without its package's __init__, its SSD
-kernels' Triton configs taken from a table tuned on an H100 for the presets' shapes, and one Triton cache
-directory for the whole process.
+"""The Mamba kernels' start-up (docs/speed.md §2): mamba_ssm's fused Mamba2 function loaded without its package's
+__init__, its SSD kernels' Triton configs taken from a table tuned on an H100 for the presets' shapes, and one
+Triton cache directory for the whole process.
 
-Why (one H100, `train.py --preset tiny --steps 3`, bench/2026-11-26-startup.md): mamba_ssm autotunes each of its
-~15 SSD kernels over 6-11 configs for every new shape in every process, compiling each config: 83 s of a 126 s
-first process and 77 s of a second one. Triton's own autotune disk cache skips every kernel whose configs carry a
-pre_hook (the backward kernels zero their outputs that way), and the compiled kernels of one process were not
-found by the next (the cache directory: below). `import mamba_ssm` runs its package __init__, which imports its
-generation utilities and through them transformers and scikit-learn: 6 s a process.
-
-TABLE (bench/tune_mamba.py writes it) maps each kernel and the shape part of its autotune key to the config the
-autotuner chose on one H100; a call whose shape is in it benchmarks that config alone, any other shape autotunes
-as before. It applies on compute capability 9.0 only: another GPU's limits (shared memory) may refuse a config
-chosen there. The choice changes speed, never results: every config computes the same sums.
+TABLE (tuned.json, written by bench/tune_mamba.py) maps each kernel and the shape part of its autotune key to the
+config the autotuner chose on one H100; a call whose shape is in it benchmarks that config alone, any other shape
+autotunes as before. It applies on compute capability 9.0 only: another GPU's limits (shared memory) may refuse a
+config chosen there. The choice changes speed, never results: every config computes the same sums.
 """
 import importlib.util
+import json
 import os
 import sys
 
@@ -26,94 +20,8 @@ os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.environ.get("TRITON_HO
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")   # other shapes' autotune results, kept the same way
 
 # bench/tune_mamba.py on one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, mamba_ssm 2.3.2.post1
-TABLE = {'_bmm_chunk_bwd_kernel': {'128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_CS: 32, num_warps: 4, '
-                                      'num_ctas: 1, num_stages: 4, maxnreg: None',
-                           '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_CS: 32, num_warps: 2, num_ctas: '
-                                    '1, num_stages: 5, maxnreg: None',
-                           '32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_CS: 32, num_warps: 4, num_ctas: '
-                                    '1, num_stages: 4, maxnreg: None'},
- '_bmm_chunk_fwd_kernel': {'128,128,False': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: 4, '
-                                            'num_ctas: 1, num_stages: 4, maxnreg: None',
-                           '16,16,False': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                          'num_ctas: 1, num_stages: 5, maxnreg: None',
-                           '32,32,False': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                          'num_ctas: 1, num_stages: 5, maxnreg: None'},
- '_chunk_cumsum_bwd_kernel': {'128,128': 'BLOCK_SIZE_H: 16, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,16': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,32': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,64': 'BLOCK_SIZE_H: 16, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,2': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,4': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,2': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,4': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,8': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
- '_chunk_cumsum_fwd_kernel': {'128,128': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,16': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,32': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,64': 'BLOCK_SIZE_H: 4, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '128,8': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,2': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,4': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '16,8': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,2': 'BLOCK_SIZE_H: 1, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,4': 'BLOCK_SIZE_H: 2, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                              '32,8': 'BLOCK_SIZE_H: 8, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
- '_chunk_scan_bwd_dc_kernel': {'128,128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, num_warps: 4, num_ctas: 1, '
-                                             'num_stages: 3, maxnreg: None',
-                               '16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                           'num_stages: 3, maxnreg: None',
-                               '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                           'num_stages: 3, maxnreg: None'},
- '_chunk_scan_bwd_dcb_kernel': {'128,64': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                          'num_stages: 3, maxnreg: None',
-                                '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, num_stages: '
-                                         '3, maxnreg: None',
-                                '32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, num_stages: '
-                                         '3, maxnreg: None'},
- '_chunk_scan_bwd_ddAcs_stable_kernel': {'128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                                   'num_stages: 3, maxnreg: None',
-                                         '16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                                  'num_stages: 3, maxnreg: None',
-                                         '32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                                  'num_stages: 3, maxnreg: None'},
- '_chunk_scan_bwd_dstates_kernel': {'16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                                'num_ctas: 1, num_stages: 5, maxnreg: None',
-                                    '32,32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                                'num_ctas: 1, num_stages: 5, maxnreg: None',
-                                    '64,128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: '
-                                                  '4, num_ctas: 1, num_stages: 4, maxnreg: None'},
- '_chunk_scan_chunk_state_bwd_dx_kernel': {'128,64,128': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
-                                                         'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None',
-                                           '16,16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
-                                                       'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None',
-                                           '32,32,32': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, '
-                                                       'num_warps: 4, num_ctas: 1, num_stages: 5, maxnreg: None'},
- '_chunk_scan_fwd_kernel': {'128,64,128,True': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                               'num_ctas: 1, num_stages: 4, maxnreg: None',
-                            '16,16,16,True': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                             'num_ctas: 1, num_stages: 5, maxnreg: None',
-                            '32,32,32,True': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                             'num_ctas: 1, num_stages: 5, maxnreg: None'},
- '_chunk_state_bwd_db_kernel': {'128,128,64': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, num_warps: 4, num_ctas: 1, '
-                                              'num_stages: 3, maxnreg: None',
-                                '16,16,16': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                            'num_stages: 3, maxnreg: None',
-                                '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, num_warps: 4, num_ctas: 1, '
-                                            'num_stages: 3, maxnreg: None'},
- '_chunk_state_fwd_kernel': {'16,16,16': 'BLOCK_SIZE_M: 32, BLOCK_SIZE_N: 64, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                         'num_ctas: 1, num_stages: 5, maxnreg: None',
-                             '32,32,32': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 32, BLOCK_SIZE_K: 32, num_warps: 2, '
-                                         'num_ctas: 1, num_stages: 5, maxnreg: None',
-                             '64,128,128': 'BLOCK_SIZE_M: 64, BLOCK_SIZE_N: 128, BLOCK_SIZE_K: 32, num_warps: 4, '
-                                           'num_ctas: 1, num_stages: 4, maxnreg: None'},
- '_state_passing_bwd_kernel': {'1024': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                               '256': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                               '8192': 'BLOCK_SIZE: 1024, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'},
- '_state_passing_fwd_kernel': {'1024': 'BLOCK_SIZE: 256, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                               '256': 'BLOCK_SIZE: 64, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None',
-                               '8192': 'BLOCK_SIZE: 512, num_warps: 4, num_ctas: 1, num_stages: 3, maxnreg: None'}}
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")) as _f:
+    TABLE = json.load(_f)
 
 _combined = None
 

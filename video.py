@@ -1,11 +1,7 @@
-"""Videos in the data: the header (frame count, rate, size), frame sampling, decoding (PyAV: `pip install -e
-'.[video]'`), the fixed canvas, tubelets and the text around them (docs/vision.md §11).
-
-A video part of a chat is {"type": "video", "video": PATH or [frame image paths]} or OpenAI-style {"type":
-"video_url", "video_url": {"url": PATH}}. Its sampled frames are resized to one canvas, normalised, padded with the
-last frame to a multiple of t and stacked t at a time along the channels: one tubelet [3t, H, W] per t frames, each
-embedded like an image of its grid and wrapped in the language sequence as `LABEL<img><image>...</img>`, tubelets
-joined by a newline.
+"""Videos in the data (docs/vision.md §11): the header (frame count, rate, size), frame sampling, decoding (PyAV:
+`pip install -e '.[video]'`), the fixed canvas, tubelets and the text around them. The sampled frames, resized to
+one canvas and normalised, become one tubelet [3t, H, W] per t frames (the last repeated up to a multiple of t),
+each embedded like an image of its grid and wrapped as `LABEL<img><image>...</img>`, tubelets joined by a newline.
 
 Shape suffixes: F frames   3 RGB   H, W pixels   t frames per tubelet
 """
@@ -89,7 +85,7 @@ def decode(src, indices):
     return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2)
 
 
-def canvas(H, W, target, p=16):
+def canvas(H, W, target):
     """A video's patch grid (th, tw): transformers' Omni video processor `_compute_target_patches` with its aspect
     kept and the 2x2 shuffle's divisor 2: sides near sqrt(target / aspect), sqrt(target * aspect), each rounded up
     to even if both fit the target together, else down (at least 2)."""

@@ -2,18 +2,12 @@
 with one line from one rank naming the operation it waits in, its group and the rank that does not answer.
 
 The main thread marks where it is (mark: a new place, e.g. a micro-batch; progress: still busy in the same place,
-e.g. one more file written). A daemon thread per rank beats every `beat` seconds into the run's store, through its
-own client (the main thread may be blocked inside the store itself, in NCCL's set-up): a sequence number, whether
-the main thread is overdue (in one place longer than the timeout, or its FIRST multiple), and where it waits,
-read off its stack: the torch.distributed call, its group and peer, and the line of ours that made it. A rank that
-is overdue looks at the others' beats; once every other rank is overdue too or has stopped beating (a stopped,
-crashed or swapping process), the run is stuck: the first rank to claim the verdict prints the line, and every
-rank that sees it stuck exits with EXIT_STATUS (torchrun then ends the rest).
-
-Allowances: set-up, a process's first step and its first evaluation may take FIRST times the timeout
-(torch.compile, Triton autotuning, NCCL's set-up); saves and loads mark progress per file or tensor. A rank
-waiting behind a slower one that still makes progress (a save's last writer) is not stuck. torch's own timeouts
-(process groups) are set to the timeout plus BACKSTOP_S: they end the run only if this thread cannot.
+e.g. one more file written). A daemon thread per rank beats into the run's store: a sequence number, whether the
+main thread is overdue (in one place longer than the timeout, or FIRST times it in set-up, a first step or a first
+evaluation) and where it waits, read off its stack. An overdue rank looks at the others' beats; once every other
+rank is overdue too or has stopped beating (a stopped, crashed or swapping process), the run is stuck: the first
+rank to claim the verdict prints the line, and every rank that sees it exits with EXIT_STATUS (torchrun then ends
+the rest). torch's own process-group timeouts (the timeout plus BACKSTOP_S) end the run only if this thread cannot.
 """
 import datetime
 import json
@@ -81,13 +75,6 @@ def progress():
         _active.state = (where, time.monotonic(), limit)
 
 
-def group_label(group):
-    if group is None or group is dist.GroupMember.WORLD:
-        return "world"
-    ranks = dist.get_process_group_ranks(group)
-    return f"{_names.get(group, 'group')} {ranks}"
-
-
 def waiting_in(frame):
     """What a thread waits in, from its innermost frame: 'all_reduce on lm tp [2, 3] at optim.py:210 AdamW.finish',
     or 'the wait at bridge.py:164 Bridge.backward_encoder' outside torch.distributed's calls (a request's wait,
@@ -111,7 +98,9 @@ def waiting_in(frame):
         group = ops[0].group
         peer = ", ".join(str(p) for p in sorted({op.peer for op in ops}))
     with_peer = f" with rank {peer}" if isinstance(peer, (int, str)) and peer != "" else ""
-    return f"{call.f_code.co_name}{with_peer} on {group_label(group)} at {line}"
+    label = "world" if group is None or group is dist.GroupMember.WORLD else \
+        f"{_names.get(group, 'group')} {dist.get_process_group_ranks(group)}"
+    return f"{call.f_code.co_name}{with_peer} on {label} at {line}"
 
 
 def _ranks(rs):
@@ -123,6 +112,7 @@ class Watchdog:
         self.timeout = float(timeout)
         self.beat = beat or min(5.0, max(self.timeout / 10, 0.5))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # its own client: the main thread may be blocked inside the store itself (NCCL's set-up)
         self.store = dist.PrefixStore("watchdog/", dist.distributed_c10d._get_default_store().clone())
         self.store.set_timeout(datetime.timedelta(seconds=max(10 * self.beat, 30)))
         self.watched = threading.get_ident()

@@ -1,15 +1,15 @@
-"""Writes tuned.py's table: the config mamba_ssm's autotuner picks for each of its SSD kernels at the presets'
+"""Writes tuned.json, tuned.py's table: the config mamba_ssm's autotuner picks for each of its SSD kernels at the presets'
 Mamba shapes, on this GPU. One process runs a Mamba2Mixer forward and backward (bf16 autocast, as training does)
 for each shape family and each per-rank head count (heads / (tp x cp)), with the autotuner free to try every
 config, then reads what it chose. Run it on an H100 (tuned.py applies the table on compute capability 9.0 only):
 
-  python bench/tune_mamba.py > /tmp/table.py     # then paste the dict into tuned.py's TABLE
+  python bench/tune_mamba.py     # rewrites tuned.json, the table tuned.py loads; review its diff and commit it
 
 The autotuner's key is the kernel's shape arguments (chunk size, head dim, state size, heads, ...) plus the dtypes
 of its tensors; the table keeps the shape part, so one entry serves fp32 and bf16 weights alike.
 """
+import json
 import os
-import pprint
 import sys
 
 import torch
@@ -48,8 +48,10 @@ def main():
     table = {}
     for (name, shape), text in tuned.chosen().items():
         table.setdefault(name, {})[shape] = text
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("TABLE = " + pprint.pformat(table, width=118, sort_dicts=True))
+    path = os.path.join(os.path.dirname(os.path.abspath(tuned.__file__)), "tuned.json")
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    print(f"{path}: {sum(map(len, table.values()))} configs, {torch.cuda.get_device_name()}, torch {torch.__version__}")
 
 
 if __name__ == "__main__":

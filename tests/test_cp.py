@@ -32,7 +32,7 @@ GROUPS4 = ["--n-groups", "4"]   # tiny has 2 Mamba groups; cp 4 (and tp 2 x cp 2
 def test_zigzag_split_by_hand():
     """16 positions, cp 2: chunks of 4, rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2."""
     assert cp.spans(16, 0, 2) == [(0, 4), (12, 16)] and cp.spans(16, 1, 2) == [(4, 8), (8, 12)]
-    assert cp.positions(16, 1, 4).tolist() == [2, 3, 12, 13]
+    assert cp.local(torch.arange(16), 1, 4, 0).tolist() == [2, 3, 12, 13]
     assert cp.spans(16, 0, 1) == [(0, 16)]
     x = torch.arange(32).view(2, 16)
     parts = [cp.local(x, r, 4) for r in range(4)]
@@ -89,7 +89,7 @@ def test_attention_chunks_equal_a_full_mask():
     q, k, v = torch.randn(1, 4, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g), \
         torch.randn(1, 2, 16, 8, generator=g)
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    pos = cp.positions(16, 1, 2)
+    pos = cp.local(torch.arange(16), 1, 2, 0)
     got = model.attend(q[:, :, pos], k, v, cp.spans(16, 1, 2))
     assert (got - full[:, :, pos]).abs().max() < 1e-6
     wrong = torch.nn.functional.scaled_dot_product_attention(q[:, :, 8:12], k[:, :, :12], v[:, :, :12],
@@ -110,7 +110,7 @@ def test_document_flex_mask_equals_the_boolean_mask(monkeypatch):
     q, k, v = (torch.randn(2, h, 256, 16, generator=g) for h in (4, 2, 2))
     seq_idx = torch.tensor([[0] * 70 + [1] * 130 + [2] * 56, [0] * 256])
     for rank in (0, 1):
-        spans, pos = cp.spans(256, rank, 2), cp.positions(256, rank, 2)
+        spans, pos = cp.spans(256, rank, 2), cp.local(torch.arange(256), rank, 2, 0)
         want = model.attend(q[:, :, pos], k, v, spans, seq_idx)
         got = torch.cat([model._document_flex(q[:, :, a:b], k[:, :, :b], v[:, :, :b], seq_idx, a)
                          for a, b in spans], 2)

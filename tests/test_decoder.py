@@ -271,8 +271,8 @@ def test_deepep_dispatcher_without_package_fails_clearly():
         pass
     with pytest.raises(SystemExit, match="needs the deep_ep package"):
         moe.MoE(config.resolve("tiny"), dispatcher="deepep")
-    with pytest.raises(ValueError, match="unknown moe dispatcher"):
-        moe.MoE(config.resolve("tiny"), dispatcher="nccl")
+    with pytest.raises(SystemExit, match="--moe-dispatcher 'nccl': must be one of alltoall, deepep"):
+        config.from_values(dict(vars(config.resolve("tiny")), moe_dispatcher="nccl"))   # a hand-edited record
 
 
 def test_activation_checkpointing_same_grads_and_counts_tokens_once(monkeypatch):

@@ -13,7 +13,7 @@ from PIL import Image
 import data
 import formats
 from tests.spawn import run_distributed
-from tests.test_data import IMG, PAD, SP, TOK, b, build, padded, write_jsonl
+from tests.test_data import IMG, PAD, SP, b, build, decode, padded, write_jsonl
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -92,7 +92,7 @@ def test_json_array_errors_name_the_element_line(files):
         build(str(path))
     path.write_text('[{"text": "héllo wörld"}, {"text": "zwei ✓"}]')
     ds, _ = build(str(path))
-    assert sorted(TOK.decode(ds[i].input_ids[1:][ds[i].input_ids[1:] < 256].tolist()) for i in range(2)) == \
+    assert sorted(decode(ds[i].input_ids[1:][ds[i].input_ids[1:] < 256].tolist()) for i in range(2)) == \
         ["héllo wörld", "zwei ✓"]
 
 

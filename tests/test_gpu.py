@@ -187,7 +187,8 @@ def test_packed_attention_flex_matches_cpu_mask():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 1024, 64, generator=g) for h in (8, 2, 2))
     seq_idx = torch.tensor([[0] * 300 + [1] * 500 + [2] * 224, [0] * 1000 + [1] * 24])
-    for spans, pos in (([(0, 1024)], torch.arange(1024)), (cp.spans(1024, 1, 2), cp.positions(1024, 1, 2))):
+    for spans, pos in (([(0, 1024)], torch.arange(1024)), (cp.spans(1024, 1, 2),
+                                                            cp.local(torch.arange(1024), 1, 2, 0))):
         res = []
         for dev in ("cpu", "cuda"):
             t = [x.detach().to(dev).requires_grad_() for x in (q[:, :, pos], k, v)]
@@ -484,7 +485,7 @@ def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_los
 @pytest.mark.parametrize("when", ["mid-step", "mid-evaluation"])
 def test_a_signal_to_a_hetero_run_saves_and_the_run_goes_on(when, colocated_losses, tmp_path):
     """vision tp2 | language tp2 ep2 over NCCL. mid-step: SIGTERM to torchrun during step 2 saves step 1 (the bridge
-    traffic in flight is matched, failsafe.abandon_step); the same line then resumes and trains steps 2 and 3.
+    traffic in flight is matched: schedule.Schedule.train); the same line then resumes and trains steps 2 and 3.
     mid-evaluation: SIGHUP during the evaluation after step 3 stops it on every rank (the signal check before each
     evaluation micro-batch pairs with the forward-only bridge) and saves step 3; --eval-only then scores it. Either
     way the three steps' losses and the evaluation's equal the colocated run's."""

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import types
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import hf_interop
 import model
 import radio
 import train
+import vlm
 from tests.spawn import run_distributed
 from tests.test_hf import build_lm, full
 
@@ -95,31 +97,33 @@ def image(h, w, seed):
 
 
 def batch(cfg):
-    """Sample 0: text, a 4x6-patch image, text, a 6x4-patch image, text; sample 1: text only."""
+    """-> ids [2, L], samples (their images, as vlm.encode reads them). Sample 0: text, a 4x6-patch image, text, a
+    6x4-patch image, text; sample 1: text only."""
     grids = [(4, 6), (6, 4)]
     imgs = [radio.normalize(image(16 * h, 16 * w, i)) for i, (h, w) in enumerate(grids)]
-    patches = [radio.patchify(im, 16) for im in imgs]
     g = torch.Generator().manual_seed(5)
     text = lambda n: torch.randint(0, 256, (n,), generator=g)   # noqa: E731
     run = lambda hw: torch.full((hw[0] * hw[1] // 4,), cfg.image_token_id)   # noqa: E731
     s0 = torch.cat([text(5), run(grids[0]), text(3), run(grids[1]), text(4)])
     s1 = text(len(s0))
-    return torch.stack([s0, s1]), patches, grids
+    return torch.stack([s0, s1]), [types.SimpleNamespace(images=imgs), types.SimpleNamespace(images=[])]
 
 
 @torch.no_grad()
-def our_logits(cfg, sd, ids, patches, grids):
+def our_logits(cfg, sd, ids, samples):
+    """The logits of training's forward (vlm.encode, vlm.inputs) with the weights sd."""
     vision, lm = radio.VisionModel(cfg).eval(), model.LanguageModel(cfg).eval()
     vision.load_state_dict({k[7:]: v for k, v in sd.items() if k.startswith("vision.")})
     lm.load_state_dict(checkpoint.language_state_dict(sd))
-    rows = vision(patches, grids)
-    h = model.place_images(lm.embed(ids), ids, rows, [sum(a * b // 4 for a, b in grids), 0], cfg.image_token_id)
-    return lm.logits(lm(h))
+    return lm.logits(lm(vlm.inputs(lm, ids, ids, *vlm.encode(vision, samples, cfg), cfg)))
 
 
 @torch.no_grad()
-def hf_logits(hf, ids, patches, grids):
-    return hf(input_ids=ids, pixel_values=torch.cat(patches), image_grid_hw=torch.tensor(grids)).logits
+def hf_logits(hf, ids, samples):
+    """transformers' logits of the same batch: its pixel input is the images' patches, packed, and their grids."""
+    imgs = [im for s in samples for im in s.images]
+    return hf(input_ids=ids, pixel_values=torch.cat([radio.patchify(im, 16) for im in imgs]),
+              image_grid_hw=torch.tensor([(im.shape[1] // 16, im.shape[2] // 16) for im in imgs])).logits
 
 
 def test_omni_import_equals_transformers_and_export_loads_back(omni, tmp_path, capsys):
@@ -138,8 +142,8 @@ def test_omni_import_equals_transformers_and_export_loads_back(omni, tmp_path, c
     for at in ({"ep": 0, "etp": 1}, {"ep": 1, "etp": 0}):
         assert torch.equal(src.read(name, shards=shards, coords=at, sizes=sizes),
                            comm.take_shard(sd[name], shards, at, sizes))
-    ids, patches, grids = batch(cfg)
-    ours, theirs = our_logits(cfg, sd, ids, patches, grids), hf_logits(hf, ids, patches, grids)
+    ids, samples = batch(cfg)
+    ours, theirs = our_logits(cfg, sd, ids, samples), hf_logits(hf, ids, samples)
     assert ours.std() > 0.05 and (ours - theirs).abs().max() < 1e-5
     # the images change the logits (so the match above covers the vision path and the placement)
     ids_text = ids.clone()
@@ -154,7 +158,7 @@ def test_omni_import_equals_transformers_and_export_loads_back(omni, tmp_path, c
                                                                            dtype=torch.float32)
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not info["missing_keys"]
-    assert (hf_logits(back.eval(), ids, patches, grids) - ours).abs().max() < 1e-5
+    assert (hf_logits(back.eval(), ids, samples) - ours).abs().max() < 1e-5
     cfg2, sd2 = hf_interop.import_hf(out, preset="tiny")       # and back again: the same tensors
     assert cfg2 == cfg and all(torch.equal(sd[k], sd2[k]) for k in sd) and sorted(sd) == sorted(sd2)
 
@@ -175,10 +179,7 @@ def test_eval_only_load_hf_omni_equals_transformers_loss(omni, tmp_path):
     enc = data.Encoder(data.load_tokenizer(str(d), cfg), cfg)
     ids, mask, images = enc.encode(chat, str(tmp_path), pixels=True)
     s = data.make_row([(ids, mask, images)], cfg, enc.sp["<pad>"], packed=False)
-    (th, tw), = [(im.shape[1] // 16, im.shape[2] // 16) for im in images]
-    with torch.no_grad():
-        logits = hf(input_ids=s.input_ids[None], pixel_values=radio.patchify(images[0], 16),
-                    image_grid_hw=torch.tensor([[th, tw]])).logits[0]
+    logits = hf_logits(hf, s.input_ids[None], [s])[0]
     n = int((s.labels != -100).sum())
     ref = F.cross_entropy(logits, s.labels, ignore_index=-100, reduction="sum").item() / n
     assert result["eval_tokens"] == n and abs(result["eval_loss"] - ref) < 1e-4

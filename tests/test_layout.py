@@ -172,3 +172,13 @@ def test_sizes_that_do_not_divide_name_what_would():
                  "lm_etp 3 does not divide moe_intermediate_size 32 (--lm-etp 2 or 4 would)"):
         assert part in msg, msg
     assert "\n" not in msg
+
+
+def test_a_tower_trained_by_any_flag_is_planned_as_training():
+    """--train-layers that trains the tower's patch embedder only: the tower runs a backward (it keeps its
+    activations and, on vision tp > 1, all-reduces), as under --stage 3; the frozen tower of stage 2 keeps none."""
+    cfg = config.resolve("tiny")
+    lay = layout.Layout(1, True, 1, 1, 1, 1, global_batch=cfg.global_batch)
+    frozen, stage3 = (memory.vision_activation_bytes(dataclasses.replace(cfg, stage=s), lay) for s in (2, 3))
+    embedder = dataclasses.replace(cfg, train_layers=r"^vision\.(embedder|mlp1)\.|^language\.")
+    assert memory.vision_activation_bytes(embedder, lay) == stage3 > frozen

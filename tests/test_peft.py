@@ -64,10 +64,10 @@ def test_omni_adapters_equal_merged_export(imported, tmp_path):
     assert {"vision_model.encoder.layer.1.attention.v_proj", "multi_modal_projector.linear_2",
             "vision_model.embeddings.patch_projection", "language_model.lm_head"} < set(written["target_modules"])
     cls = transformers.NemotronH_Omni_Reasoning_V3
-    ids, patches, grids = batch(cfg)
-    merged = hf_logits(cls.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids, patches, grids)
-    adapted = hf_logits(load_peft(cls, d, tmp_path / "peft"), ids, patches, grids)
-    base = hf_logits(cls.from_pretrained(d, dtype=torch.float32).eval(), ids, patches, grids)
+    ids, samples = batch(cfg)
+    merged = hf_logits(cls.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval(), ids, samples)
+    adapted = hf_logits(load_peft(cls, d, tmp_path / "peft"), ids, samples)
+    base = hf_logits(cls.from_pretrained(d, dtype=torch.float32).eval(), ids, samples)
     assert (adapted - merged).abs().max() < 1e-5
     assert (adapted - base).abs().max() > 1e-3   # the adapters act
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import config
-import data
 import logs
 import mock
 import model
 import radio
 import train
+import vlm
 from tests.spawn import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,17 +97,18 @@ def test_eval_every_with_mock_data_scores_the_eval_file(tmp_path, capfd):
 
 def answer_loss(modules, cfg, seed=99, n=32):
     """Mean loss of the label only the image predicts (the first count after the image), over the samples of
-    n mock indices that have an image; computed by one process holding both modules."""
+    n mock indices that have an image: training's loss (vlm.loss) of each with that label alone, its others -100;
+    computed by one process holding both modules."""
     ds, losses = mock.MockData(cfg, seed), []
-    vision, lm = modules["vision"], modules["language"]
+    at = ds.answer_position
     with torch.no_grad():
         for s in (ds[i] for i in range(n)):
             if s.images:
-                patches, grids, rows, _ = data.collate_images([s], cfg)
-                ids, labels, _, _ = data.collate_text([s])
-                h = model.place_images(lm.embed(ids), ids, vision(patches, grids), rows, cfg.image_token_id)
-                logp = torch.log_softmax(lm.logits(lm(h, None, None))[0].float(), -1)
-                losses.append(-logp[ds.answer_position, labels[0, ds.answer_position]].item())
+                labels = torch.full_like(s.labels, -100)
+                labels[at] = s.labels[at]
+                assert labels[at] >= 0
+                losses.append(vlm.loss(modules["vision"], modules["language"],
+                                       [dataclasses.replace(s, labels=labels)], cfg).item())
     return sum(losses) / len(losses)
 
 

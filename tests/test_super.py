@@ -42,8 +42,8 @@ def test_latent_moe_and_mtp_omni_equal_transformers_and_keep_mtp_weights(super_v
     assert (cfg.moe_latent_size, cfg.num_nextn_predict_layers, cfg.mtp_pattern) == (24, 1, "*E")
     assert any("no MTP weights" in s for s in said)                      # transformers saves none: fresh ones
     assert sd["vision.final_layernorm.weight"].std() > 0.1               # the Super-VL tower norm, imported
-    ids, patches, grids = batch(cfg)
-    ours, theirs = our_logits(cfg, sd, ids, patches, grids), hf_logits(hf, ids, patches, grids)
+    ids, samples = batch(cfg)
+    ours, theirs = our_logits(cfg, sd, ids, samples), hf_logits(hf, ids, samples)
     assert ours.std() > 0.05 and (ours - theirs).abs().max() < 1e-5
     # export: transformers loads it whole (it ignores language_model.mtp.*), the same logits; MTP weights written
     # under their published names and back bit for bit
@@ -52,7 +52,7 @@ def test_latent_moe_and_mtp_omni_equal_transformers_and_keep_mtp_weights(super_v
     back, info = transformers.NemotronH_Omni_Reasoning_V3.from_pretrained(tmp_path / "out", output_loading_info=True,
                                                                           dtype=torch.float32)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert (hf_logits(back.eval(), ids, patches, grids) - ours).abs().max() < 1e-5
+    assert (hf_logits(back.eval(), ids, samples) - ours).abs().max() < 1e-5
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert {"language_model.mtp.layers.0.eh_proj.weight", "language_model.mtp.layers.1.final_layernorm.weight",
             "language_model.mtp.layers.1.mixer.experts.7.up_proj.weight",

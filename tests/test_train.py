@@ -1,7 +1,9 @@
 """train.py end to end on gloo (docs/parallel.md §7-8): learning, determinism, reference equivalence of hetero /
-colocated / tp / ep layouts against one process, text-only mixing, LR schedules, skip-on-inf, step consensus,
-layout errors and the dry run. Every distributed run is a forked gloo group (tests/spawn.py) calling train.main.
+colocated / tp / ep layouts against one process, text-only mixing, LR schedules (and the sample-counted one of an
+earlier version's run record), skip-on-inf, step consensus, layout errors and the dry run. Every distributed run
+is a forked gloo group (tests/spawn.py) calling train.main.
 """
+import dataclasses
 import json
 import math
 import os
@@ -12,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
 import cli
 import comm
 import config
@@ -217,8 +220,8 @@ def test_text_only_mixing_matches_one_process():
 
 # ---------------------------------------------------------------- 4. LR schedules (closed form, by hand)
 
-def lr_at(flags, it, samples=0):
-    return train.learning_rate(cli.config_of(flags), it, samples)
+def lr_at(flags, it):
+    return optim.learning_rate(cli.config_of(flags), it)
 
 
 def test_cosine_schedule():
@@ -253,21 +256,112 @@ def test_wsd_schedule():
     assert lr_at(wsd_min, 90) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
 
 
-def test_sample_based_schedule():
-    f = ["--lr", "1e-3", "--min-lr", "0", "--train-samples", "1000", "--lr-warmup-samples", "100",
-         "--lr-decay-samples", "900", "--global-batch", "10"]
+@pytest.mark.parametrize("flag, use", [("train-samples", "--lr-decay-iters"), ("lr-decay-samples", "--lr-decay-iters"),
+                                       ("lr-warmup-samples", "--lr-warmup-iters"),
+                                       ("lr-wsd-decay-samples", "--lr-wsd-decay-iters")])
+def test_the_sample_flags_of_earlier_versions_name_the_step_flag(flag, use):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--preset", "tiny", f"--{flag.replace('-', '_')}", "1000"])
+    assert str(e.value).startswith(f"unknown flag --{flag}. Use {use} (samples / --global-batch: the LR schedule "
+                                   "counts steps"), str(e.value)
+
+
+SAMPLE_DEFAULTS = {"train_samples": None, "lr_warmup_samples": 0, "lr_decay_samples": None,
+                   "lr_wsd_decay_samples": None}
+
+
+def old_record(tmp_path, **fields):
+    """(a step directory whose config.json an earlier version wrote: the tiny preset's run with `fields`, the
+    record's values)."""
+    step = tmp_path / "step_00000007"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    record = {**dataclasses.asdict(config.resolve("tiny")), **SAMPLE_DEFAULTS, **fields}
+    (step / "config.json").write_text(json.dumps(record))
+    return str(step), record
+
+
+def old_sample_lr(r, x):
+    """The LR the sample-counted schedule of earlier versions gave after x = good steps x global batch samples,
+    written out as it was (r: the record)."""
+    warm, end = r["lr_warmup_samples"], r["lr_decay_samples"] or r["train_samples"]
+    if x < warm:
+        return r["lr"] * (x + 1) / warm
+    if r["lr_schedule"] == "constant":
+        return r["lr"]
+    if r["lr_schedule"] == "cosine":
+        progress = min(max((x - warm) / max(end - warm, 1), 0.0), 1.0)
+        return r["min_lr"] + (r["lr"] - r["min_lr"]) * 0.5 * (1 + math.cos(math.pi * progress))
+    tail = r["lr_wsd_decay_samples"] or max((end - warm) // 10, 1)
+    f = min(max((x - (end - tail)) / tail, 0.0), 1.0)
+    drop = f if r["lr_wsd_decay_style"] == "linear" else math.sqrt(f)
+    return r["min_lr"] + (r["lr"] - r["min_lr"]) * (1 - drop)
+
+
+def test_the_old_sample_schedule_reference_by_hand():
+    r = {"lr": 1e-3, "min_lr": 0.0, "lr_schedule": "cosine", "train_samples": 1000, "lr_warmup_samples": 100,
+         "lr_decay_samples": 900, "lr_wsd_decay_samples": None, "lr_wsd_decay_style": "linear"}
     expected = {0: 1e-5, 49: 5e-4,          # warmup: lr * (samples + 1) / 100
                 100: 1e-3,                  # cosine from here to sample 900
                 300: 8.5355339e-4,          # progress 1/4: 0.5 * (1 + cos(pi/4))
                 500: 5e-4, 900: 0.0, 950: 0.0}
-    for samples, lr in expected.items():
-        assert lr_at(f, 0, samples) == pytest.approx(lr, rel=1e-7, abs=1e-12), samples
-        assert lr_at(f, 37, samples) == lr_at(f, 0, samples)   # the iteration count plays no part
-    no_decay = f[:-4] + f[-2:]              # decay ends at --train-samples
-    assert lr_at(no_decay, 0, 550) == pytest.approx(5e-4)
-    wsd = ["--lr-schedule", "wsd", "--lr", "1e-3", "--min-lr", "0", "--train-samples", "1000",
-           "--lr-wsd-decay-samples", "200"]
-    assert lr_at(wsd, 0, 800) == pytest.approx(1e-3) and lr_at(wsd, 0, 900) == pytest.approx(5e-4)
+    for x, lr in expected.items():
+        assert old_sample_lr(r, x) == pytest.approx(lr, rel=1e-7, abs=1e-12), x
+    assert old_sample_lr({**r, "lr_warmup_samples": 0, "lr_decay_samples": None}, 500) == pytest.approx(5e-4)
+    wsd = {**r, "lr_schedule": "wsd", "lr_warmup_samples": 0, "lr_decay_samples": None, "lr_wsd_decay_samples": 200}
+    assert old_sample_lr(wsd, 800) == pytest.approx(1e-3) and old_sample_lr(wsd, 900) == pytest.approx(5e-4)
+
+
+def test_an_old_record_with_the_sample_fields_unused_loads_as_it_was(tmp_path):
+    """At their defaults, or without --train-samples (then nothing read them), the fields are dropped; a record
+    written now has none."""
+    for fields in (SAMPLE_DEFAULTS, {"lr_warmup_samples": 100, "lr_decay_samples": 900}):
+        step, _ = old_record(tmp_path / str(len(fields)), **fields)
+        assert checkpoint.saved_config(step) == config.resolve("tiny")
+    assert not set(SAMPLE_DEFAULTS) & set(config.FIELDS)
+
+
+@pytest.mark.parametrize("fields, iters", [
+    (dict(lr_schedule="cosine", train_samples=1000, lr_decay_samples=800, global_batch=10, steps=100),
+     dict(lr_warmup_iters=0, lr_decay_iters=80, lr_wsd_decay_iters=8)),
+    (dict(lr_schedule="wsd", lr_wsd_decay_style="minus_sqrt", train_samples=960, global_batch=8, steps=130),
+     dict(lr_warmup_iters=0, lr_decay_iters=120, lr_wsd_decay_iters=12)),     # the default tail: 960 // 10 samples
+    (dict(lr_schedule="wsd", train_samples=50, lr_warmup_samples=5, lr_decay_samples=40, lr_wsd_decay_samples=7,
+          global_batch=1, steps=60), dict(lr_warmup_iters=5, lr_decay_iters=40, lr_wsd_decay_iters=7)),
+    (dict(lr_schedule="constant", train_samples=1001, global_batch=8, steps=20),  # a constant LR reads no end
+     dict(lr_warmup_iters=0, lr_decay_iters=None, lr_wsd_decay_iters=None)),
+], ids=["cosine", "wsd-default-tail", "batch-1-warmup", "constant"])
+def test_an_old_sample_schedule_becomes_the_same_schedule_in_steps(tmp_path, fields, iters):
+    step, record = old_record(tmp_path, min_lr=1e-5, **fields)
+    cfg = checkpoint.saved_config(step)
+    assert {k: getattr(cfg, k) for k in iters} == iters
+    gb = record["global_batch"]
+    lrs = [optim.learning_rate(cfg, it) for it in range(record["steps"] + 5)]
+    assert lrs == [old_sample_lr(record, it * gb) for it in range(record["steps"] + 5)]   # every step, exactly
+    assert record["lr_schedule"] == "constant" or len(set(lrs)) > 10      # a schedule that moves
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(train_samples=1000, lr_warmup_samples=100, lr_decay_samples=900, global_batch=10),
+     "(--train-samples 1000 --lr-warmup-samples 100 --lr-decay-samples 900 at --global-batch 10; a warm-up in "
+     'samples: no schedule in steps gives its learning rates), which this version no longer reads; to train on with '
+     'the nearest schedule in steps, delete the *_samples fields of that file and set "lr_warmup_iters": 10, '
+     '"lr_decay_iters": 90; '),
+    (dict(train_samples=1000, global_batch=16),
+     "(--train-samples 1000 at --global-batch 16; counts that are no multiple of 16: no schedule in steps gives its "
+     "learning rates), which this version no longer reads; to train on with the nearest schedule in steps, delete "
+     'the *_samples fields of that file and set "lr_warmup_iters": 0, "lr_decay_iters": 63; '),
+], ids=["warmup", "not-a-multiple"])
+def test_an_old_sample_schedule_no_step_schedule_gives_is_refused(tmp_path, fields, message):
+    """A warm-up in samples rose from lr / warm-up at sample 0 (no warm-up in steps does: 1e-5, 1.1e-4 vs 1e-4,
+    2e-4 here); --load of the record, any command, is one line and leaves it as it was."""
+    step, record = old_record(tmp_path, lr=1e-3, **fields)
+    before = open(os.path.join(step, "config.json")).read()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--load", step, "--eval-only"])
+    assert str(e.value) == (f"{step}/config.json: this run's LR schedule counts samples {message}to keep its learning "
+                            "rates, resume it with the code that wrote it")
+    assert open(os.path.join(step, "config.json")).read() == before
 
 
 def test_a_resume_that_changes_the_schedule_says_how_the_lr_moves(tmp_path, capfd):
@@ -303,9 +397,8 @@ def _train_with_snapshots(rank, world, argv):
     return history, snapshots
 
 
-@pytest.mark.parametrize("schedule", [["--lr-decay-iters", "4"], ["--train-samples", "16"]], ids=["iters", "samples"])
 @pytest.mark.slow
-def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
+def test_skipped_step_does_not_advance_the_schedule(monkeypatch):
     """The optimizer's finish reports inf on step 2 (on every rank, as the real one would): the step is skipped,
     its weights and AdamW state are untouched and the LR schedule does not advance (docs/parallel.md §8)."""
     real, calls = optim.AdamW.finish, []
@@ -320,10 +413,10 @@ def test_skipped_step_does_not_advance_the_schedule(schedule, monkeypatch):
 
     monkeypatch.setattr(optim.AdamW, "finish", overflow_on_step_2)   # inherited by the forked children
     argv = ["--preset", "tiny", "--steps", "4", "--global-batch", str(GB), "--lr", "1e-3", "--min-lr", "0",
-            "--lr-schedule", "cosine", "--vision-dp", "1", "--lm-dp", "2"] + schedule
+            "--lr-schedule", "cosine", "--lr-decay-iters", "4", "--vision-dp", "1", "--lm-dp", "2"]
     results = run_distributed(_train_with_snapshots, 3, argv, timeout=60.0)
     cfg = cli.config_of(argv)
-    lrs = [train.learning_rate(cfg, it, it * GB) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
+    lrs = [optim.learning_rate(cfg, it) for it in (0, 1, 1, 2)]     # step 3 repeats step 2's LR
     assert len(set(lrs)) == 3, lrs
     for rank, (history, snapshots) in enumerate(results):
         assert [h["ok"] for h in history] == [True, False, True, True], rank
@@ -448,5 +541,4 @@ def test_hf_epochs_flag_is_answered_with_steps():
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["--num_train_epochs", "3"])
     assert str(e.value) == ("unknown flag --num-train-epochs. Use --steps (epochs x the data's samples / "
-                            "--global-batch: a run counts steps, and --train-samples sets only a sample-based LR "
-                            "schedule)")
+                            "--global-batch: a run counts steps)")

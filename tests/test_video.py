@@ -25,8 +25,9 @@ import model
 import radio
 import train
 import video
+import vlm
 from tests.spawn import run_distributed
-from tests.test_hf_omni import IMAGE_ID, image, omni  # noqa: F401 (omni: a fixture)
+from tests.test_hf_omni import IMAGE_ID, image, omni, our_logits  # noqa: F401 (omni: a fixture)
 from tests.test_train import assert_states_match
 
 av = pytest.importorskip("av")
@@ -97,16 +98,8 @@ def test_video_forward_equals_transformers(omni, tmp_path):
     s_image = torch.cat([text(6), run(2), text(L - 8)])
     ids = torch.stack([s_video, s_image, text(L)])
     samples = [types.SimpleNamespace(images=i) for i in (tubes, [img], [])]
-    patches, grids, rows, frames = data.collate_images(samples, cfg)
+    _, grids, rows, frames = data.collate_images(samples, cfg)
     assert (grids, rows, frames) == ([(4, 6), (4, 6), (4, 2)], [12, 2, 0], [2, 2, 1])
-
-    def ours(sd):
-        vision, lm = radio.VisionModel(cfg).eval(), model.LanguageModel(cfg).eval()
-        vision.load_state_dict({k[7:]: v for k, v in sd.items() if k.startswith("vision.")})
-        lm.load_state_dict(checkpoint.language_state_dict(sd))
-        with torch.no_grad():
-            h = model.place_images(lm.embed(ids), ids, vision(patches, grids, frames), rows, IMAGE_ID)
-            return lm.logits(lm(h))
 
     def theirs(m):
         with torch.no_grad():
@@ -114,7 +107,7 @@ def test_video_forward_equals_transformers(omni, tmp_path):
                               m(input_ids=ids[1:2], pixel_values=radio.patchify(img, 16),
                                 image_grid_hw=torch.tensor([[4, 2]])).logits, m(input_ids=ids[2:]).logits])
 
-    got, want = ours(sd), theirs(hf)
+    got, want = our_logits(cfg, sd, ids, samples), theirs(hf)
     assert got.std() > 0.05 and (got - want).abs().max() < 1e-5
     # teeth: the video moves the logits, and through the video embedder (not the image one)
     plain = ids[:1].clone()
@@ -122,7 +115,7 @@ def test_video_forward_equals_transformers(omni, tmp_path):
     with torch.no_grad():
         assert (hf(input_ids=plain).logits - want[:1]).abs().max() > 1e-2
     other = {**sd, "vision.video_embedder.weight": sd["vision.video_embedder.weight"] * 0.5}
-    moved = ours(other)
+    moved = our_logits(cfg, other, ids, samples)
     assert (moved[0] - got[0]).abs().max() > 1e-2 and torch.equal(moved[1:], got[1:])
     # export writes the video embedder we hold (a parameter, not a carried tensor): transformers reads it back
     hf_interop.export_hf(cfg, other, tmp_path / "out")
@@ -136,13 +129,12 @@ def test_gpu_branch_of_attention_embeds_videos_alike():
     tower = radio.VisionModel(cfg).eval()
     tubes = video.tubelets(frames_of(4, 32, 32, 1).permute(0, 3, 1, 2), 2, 2, 16, 2)
     samples = [types.SimpleNamespace(images=tubes + [radio.normalize(image(32, 64, 2))])]
-    patches, grids, _, frames = data.collate_images(samples, cfg)
     with torch.no_grad():
-        mask = tower(patches, grids, frames)
+        mask, _ = vlm.encode(tower, samples, cfg)
         real = radio.packed_attention
         radio.packed_attention = lambda q, k, v, lens, mode=None: real(q, k, v, lens, "loop")
         try:
-            loop = tower(patches, grids, frames)
+            loop, _ = vlm.encode(tower, samples, cfg)
         finally:
             radio.packed_attention = real
     assert mask.shape == (1 + 1 + 2, cfg.hidden_size) and (mask - loop).abs().max() < 1e-5

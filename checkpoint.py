@@ -18,13 +18,11 @@ training (sharded) and by the offline tools (full tensors: save_model; hf_intero
                          the Config), the run's lineage (resume.py), layout, data position of every language lane,
                          every tensor's full shape / dtype / sharding, every file's tensors with their crc32.
 Loading assembles a tensor from the saved slices (comm.unshard; the saving layout is in meta.json) and keeps this
-rank's slice (comm.shard): any layout loads any other, and with an unchanged layout a rank reads only its own files.
-Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
-A run resumes from the newest complete step (`newest`; `latest` lags it only when a save was killed between its
-meta.json and `latest`). No command deletes a complete step: a save replaces only an interrupted save's leftover of
-its own step, resume.py refuses a line that would save over later steps, and one run at a time holds a save
-directory (`hold`).
-HF NemotronH export and import: hf_interop.py.
+rank's slice (comm.take_shard): any layout loads any other, and with an unchanged layout a rank reads only its own
+files. Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
+A run resumes from the newest complete step (`newest`), no command deletes a complete step (a save replaces only an
+interrupted save's leftover of its own step) and one run at a time holds a save directory (`hold`): docs/checkpoints.md
+§4. HF NemotronH export and import: hf_interop.py.
 """
 import dataclasses
 import errno
@@ -47,24 +45,17 @@ from safetensors.torch import save_file
 
 import comm
 import config
-import model
 import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
 LOCK_NAME, STEP = ".lock", re.compile(r"step_\d{8}")
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
-LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "vision." / "language." + module key
-
+LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "language." + module key
 GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp")
 
 
 # ---------------------------------------------------------------- names, slices, files
-
-def _sizes(lay):
-    """Slices per module and shard kind under a layout."""
-    return {"vision": {"tp": lay.vision_tp}, "language": {"tp": lay.lm_tp, "ep": lay.lm_ep, "etp": lay.lm_etp}}
-
 
 def _shard_file(kind, name, shards, coords):
     """The file (kind: model | optim) holding the slice at `coords` of tensor `name`, sharded by `shards`."""
@@ -119,7 +110,8 @@ def read_json(path, fix):
         raise SystemExit(f"{path}: corrupt ({e}); {fix}") from None
 
 
-def _read_latest(root):
+def read_latest(root):
+    """The step directory that save directory `root`'s `latest` names, or None."""
     path = os.path.join(root, "latest")
     return open(path).read().strip() if os.path.exists(path) else None
 
@@ -127,7 +119,7 @@ def _read_latest(root):
 def is_checkpoint(path):
     """A step directory (holds meta.json) or a save directory (holds `latest` naming a step, or a step directory)."""
     try:
-        return complete(path) or STEP.fullmatch(_read_latest(path) or "") is not None or \
+        return complete(path) or STEP.fullmatch(read_latest(path) or "") is not None or \
             any(STEP.fullmatch(d) for d in os.listdir(path))
     except OSError:   # not a directory, not readable
         return False
@@ -227,12 +219,11 @@ def _snapshot(par, modules, opt, copy):
     entries = [e for e in _entries(par, modules) if _writes(e[1], e[2])]
     states = opt.gather_state({id(e[1]) for e in entries})
     trained = {id(p) for p in opt.params()}
-    cpu = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().cpu())
     files, specs = {}, {}
     for name, t, groups, coords, sizes in entries:
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
-        w = states[id(t)]["main"] if id(t) in trained else cpu(t)
+        w = states[id(t)]["main"] if id(t) in trained else t.detach().to("cpu", copy=copy)
         specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
         files.setdefault(_shard_file("model", name, shards, coords), {})[name] = w
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
@@ -319,10 +310,8 @@ class Saver:
             return
         name, lay, lm, world = f"step_{step:08d}", self.par.layout, self.par.lm, dist.get_world_size()
         step_dir = os.path.join(self.root, name)
-        result = {}
         error = comm.on_every_rank(self._make_step_dir, step_dir)
-        if error:   # reported on every rank by close(), like a failed write
-            result["error"] = error
+        result = {"error": error} if error else {}   # reported on every rank by close(), like a failed write
         files, specs = _snapshot(self.par, self.modules, self.opt, copy=self.cfg.async_save)
         data_state = self.data.state_dict() if hasattr(self.data, "state_dict") else None   # JSON-serialisable
         rank_state, lanes = {"rank": self.rank, "rng": _rng_json(rng_state()), "data": data_state}, [None] * world
@@ -330,7 +319,9 @@ class Saver:
             "lane": lm.dp_rank, "next_sample": counters["consumed_samples"] + lm.dp_rank * lay.micro_batch,
             "state": data_state})
         meta = {"format": FORMAT, "step": step, "counters": dict(counters), "ranks": world,
-                "run": {"lineage": self.lineage}, "layout": dataclasses.asdict(lay), "layout_text": lay.describe(), "sizes": _sizes(lay),
+                "run": {"lineage": self.lineage}, "layout": dataclasses.asdict(lay), "layout_text": lay.describe(),
+                "sizes": {"vision": {"tp": lay.vision_tp},
+                          "language": {"tp": lay.lm_tp, "ep": lay.lm_ep, "etp": lay.lm_etp}},
                 "data": {"consumed_samples": counters["consumed_samples"],
                          "lanes": sorted((x for x in lanes if x), key=lambda x: x["lane"])}}
         self.last = step
@@ -361,7 +352,7 @@ class Saver:
                              f"saving into {self.root}?). It is kept: choose another --save, or --load {self.root} to "
                              "continue from it")
         try:
-            if _read_latest(self.root) == os.path.basename(step_dir):
+            if read_latest(self.root) == os.path.basename(step_dir):
                 os.remove(os.path.join(self.root, "latest"))
             shutil.rmtree(step_dir, ignore_errors=True)
             os.makedirs(step_dir)
@@ -382,7 +373,7 @@ class Saver:
         if errors:
             if self.rank == 0:   # what was written of it would only fill the disk: nothing reads a step without meta
                 shutil.rmtree(step_dir, ignore_errors=True)
-            kept = _read_latest(self.root)
+            kept = read_latest(self.root)
             kept = f"`latest` stays {kept}" if kept else "no checkpoint was saved before it"
             raise SystemExit(f"checkpoint {step_dir} FAILED ({'; '.join(errors)}); {kept}. Free space or fix the "
                              f"permissions of {self.root}, then resume with --load {self.root}")
@@ -438,7 +429,7 @@ def newest(root):
     steps = complete_steps(root)
     if not steps:
         return None, None
-    latest = _read_latest(root)
+    latest = read_latest(root)
     if latest == steps[-1]:
         return os.path.join(root, latest), None
     why = f"`latest` names {latest}" + ("" if complete(os.path.join(root, latest)) else ", not a complete "
@@ -530,9 +521,10 @@ class Reader:
 
 
 def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, load_rng=True, finetune=False):
-    """Load a checkpoint (a path, or a Reader-like source) of any layout into this rank's modules, AdamW state, RNG and data state -> counters
-    (FRESH with finetune: weights only). No collectives: each rank reads what it needs."""
-    r = path if hasattr(path, "read") else Reader(path)   # or any reader alike: hf_interop.HFSource
+    """Load a checkpoint (a path, or a source that reads alike: hf_interop.HFSource) of any layout into this rank's
+    modules, AdamW state, RNG and data state -> counters (FRESH with finetune: weights only). No collectives: each
+    rank reads what it needs."""
+    r = path if hasattr(path, "read") else Reader(path)
     rank, lay = dist.get_rank(), par.layout
     say = (lambda msg: print(f"checkpoint: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
     bad = [f"{k} is {getattr(r.cfg, k)!r} in the checkpoint, {getattr(cfg, k)!r} in this run"
@@ -568,16 +560,14 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
                 "fresh AdamW")
     if opt is not None:   # its fp32 main weights from the checkpoint's (not from the model's possibly bf16 copy)
         opt.load(mains, states)
-    saved = r.meta["layout"]
-    rank_state = None
-    if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS) and not finetune \
-            and load_rng:
-        rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
-                               "--no-load-rng (RNG and data-loader state then start afresh)")
-    if load_rng and not finetune and rank_state is not None:
-        set_rng_state(_rng_from_json(rank_state["rng"]))
-    elif load_rng and not finetune:
-        say(f"saved under another layout ({r.meta.get('layout_text')}): RNG not restored (as --no-load-rng)")
+    saved, rank_state = r.meta["layout"], None
+    if load_rng and not finetune:
+        if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS):
+            rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
+                                   "--no-load-rng (RNG and data-loader state then start afresh)")
+            set_rng_state(_rng_from_json(rank_state["rng"]))
+        else:
+            say(f"saved under another layout ({r.meta.get('layout_text')}): RNG not restored (as --no-load-rng)")
     if hasattr(data, "load_state_dict") and not finetune:   # the data loader's own position, if it keeps one
         lanes = r.meta.get("data", {}).get("lanes") or [{}]
         state = rank_state["data"] if rank_state is not None else lanes[0].get("state")
@@ -609,12 +599,11 @@ def load_model(path):
     return r.cfg, {name: r.read(name) for name in r.tensors}
 
 
-def check_tensors(state_dict, expected, source, file_of=None):
+def check_tensors(state_dict, expected, source):
     """Same names and shapes as `expected` ({name: shape}), or a ValueError listing every offender."""
-    file_of = file_of or {}
     errors = [f"{source}: missing tensor {k}" for k in expected if k not in state_dict]
-    errors += [f"{file_of.get(k, source)}: unexpected tensor {k}" for k in state_dict if k not in expected]
-    errors += [f"{file_of.get(k, source)}: tensor {k} has shape {list(v.shape)}, expected {list(expected[k])}"
+    errors += [f"{source}: unexpected tensor {k}" for k in state_dict if k not in expected]
+    errors += [f"{source}: tensor {k} has shape {list(v.shape)}, expected {list(expected[k])}"
                for k, v in state_dict.items() if k in expected and tuple(v.shape) != tuple(expected[k])]
     raise_errors(errors)
 
@@ -631,10 +620,3 @@ def language_state_dict(state_dict):
     """The language model's entries of a full-model state dict, "language." stripped."""
     n = len(LM_PREFIX)
     return {k[n:]: v for k, v in state_dict.items() if k.startswith(LM_PREFIX) and k[n:].startswith(LM_ROOTS)}
-
-
-def lm_shapes(cfg):
-    """{name: shape} of LanguageModel(cfg)'s state dict, built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        lm = model.LanguageModel(cfg)
-    return {k: tuple(v.shape) for k, v in lm.state_dict().items()}

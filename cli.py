@@ -1,7 +1,6 @@
 """train.py's command line: its flags (every Config field, config.add_arguments, plus the invocation's own), the
-answers to flags users bring from elsewhere or from earlier versions (ALIASES), and run(): a run's user error printed
-as one line `error: <cause>. <fix>` by one rank, exit status 2; a signal before training one line, 128 + the signal;
-a CPU run without torchrun on one thread, as torchrun sets."""
+answers to flags users bring from elsewhere or from earlier versions (ALIASES), and run(): a user error or a signal
+before training ends the run with one line from one rank."""
 import argparse
 import difflib
 import os
@@ -38,9 +37,10 @@ def parse_args(argv=None):
                    "fit (a run uses its device's)")
     p.add_argument("--debug", action="store_true", help="show the traceback of a user error")
     config.add_arguments(p)
-    p.error = lambda message: exit_usage(message)   # one line, one rank, like every user error (see cli)
+    p.error = exit_usage   # one line, one rank, like every user error (see cli)
     argv = sys.argv[1:] if argv is None else list(argv)
-    inv, rest = p.parse_known_args([_dashes(a) for a in argv])
+    dashes = [re.sub(r"^--[^=]*", lambda m: m[0].replace("_", "-"), a) for a in argv]   # --seq_len=8_192: --seq-len
+    inv, rest = p.parse_known_args(dashes)
     if rest:
         unknown_flag(rest[0], p)
     given = config.given(inv)
@@ -51,15 +51,8 @@ def parse_args(argv=None):
 
 def config_of(argv):
     """The Config of a command line that loads nothing (tests, bench.py)."""
-    return config.resolve(*(lambda given: (given.get("preset", config.Config.preset), given))(parse_args(argv)[1]))
-
-
-def _dashes(arg):
-    """--seq_len -> --seq-len (both spellings are accepted; values are left alone)."""
-    if not arg.startswith("--"):
-        return arg
-    key, eq, value = arg.partition("=")
-    return key.replace("_", "-") + eq + value
+    given = parse_args(argv)[1]
+    return config.resolve(given.get("preset", config.Config.preset), given)
 
 
 def exit_usage(message):
@@ -68,7 +61,7 @@ def exit_usage(message):
 
 IN_STEPS = "(samples / --global-batch: the LR schedule counts steps)"
 # Flags users bring from HF Trainer, torchtitan (its TOML keys as --section.key), Megatron-LM and earlier versions,
-# by what they mean here (after _dashes: underscores are dashes).
+# by what they mean here (underscores read as dashes).
 ALIASES = {
     "learning-rate": "--lr", "max-steps": "--steps", "train-iters": "--steps", "training.steps": "--steps",
     "output-dir": "--save", "save-dir": "--save", "checkpoint.folder": "--save", "job.dump-folder": "--save",
@@ -113,11 +106,10 @@ def unknown_flag(arg, parser):
 
 def run(main, argv=None):
     """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed
-    as one line `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2;
-    --debug shows its traceback. A rank that fails in a collective because another rank ended first
-    (failsafe.peer_gone) keeps quiet the same way: that rank says why. A signal before training starts
-    (failsafe.Stop takes them from then on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread
-    per process, as torchrun sets."""
+    as one line `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug
+    shows its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone)
+    keeps quiet the same way: that rank says why. A signal before training starts (failsafe.Stop takes them from then
+    on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
     rank = int(os.environ.get("RANK", 0))
     for sig in failsafe.SIGNALS:
         signal.signal(sig, failsafe.interrupt)

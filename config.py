@@ -80,7 +80,8 @@ class Config:
     max_frames: int = _f(0, "at most this many frames of a video, sampled evenly over it (0: no limit)")
     # ---- data ----
     seq_len: int = 8192
-    data: str = _f("mock", "mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend '0.7:a.jsonl,0.3:b/*.parquet'")
+    data: str = _f("mock", "mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend "
+                   "'0.7:a.jsonl,0.3:b/*.parquet'")
     eval_data: str | None = _f(None, "held-out data (file or blend) for --eval-every, with any --data")
     eval_frac: float = _f(0.0, "else hold out the last FRAC of every --data file")
     tokenizer: str | None = _f(None, "HF tokenizer directory (its chat template renders chats) or tokenizer.json; "
@@ -157,8 +158,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads",
                    "num_key_value_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "n_groups",
                    "ssm_state_size", "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
-                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size", "intermediate_size",
-                   "routed_scaling_factor", "norm_eps", "init_std", "num_nextn_predict_layers", "mtp_pattern")
+                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
+                   "intermediate_size", "routed_scaling_factor", "norm_eps", "init_std", "num_nextn_predict_layers",
+                   "mtp_pattern")
 VISION_FIELDS = ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
                  "class_token_len", "projector_hidden", "video_temporal_patch")
 # What a checkpoint's weights mean: they load only into a run with equal values (checkpoint.load checks them).
@@ -176,15 +178,6 @@ VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 
     "vit-h": dict(vit_hidden=1280, vit_depth=32, vit_heads=16, vit_mlp=5120, projector_hidden=20480),
     "vit-g": dict(vit_hidden=1536, vit_depth=40, vit_heads=24, vit_mlp=6144, projector_hidden=24576),
 }
-
-NANO = dict(num_key_value_heads=2, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME")
-
-SUPER = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, mamba_num_heads=128, n_groups=8,
-             hybrid_override_pattern="MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
-                                     "EMEMEMEME",
-             n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
-             moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, routed_scaling_factor=5.0, init_std=0.014,
-             num_nextn_predict_layers=1, mtp_pattern="*E", mtp_depths=2, mtp_loss_scale=0.3)
 
 PRESETS = {
     "tiny": dict(  # fast on 2 CPU cores; tp2 / ep2 / vision tp2 all divide
@@ -204,10 +197,17 @@ PRESETS = {
     "54l": dict(hybrid_override_pattern="MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME",
                 activation_checkpointing=True),
     # a 31.6 B-parameter model: activation checkpointing is what lets a full fine-tune fit 8 x 80 GB (memory.py)
-    "nano": dict(NANO, activation_checkpointing=True),
+    "nano": dict(num_key_value_heads=2, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                 activation_checkpointing=True),
     # Nemotron 3 Super 120B-A12B (docs/super.md §1): LatentMoE, one MTP block trained as two depths sharing it
     # (Megatron-Bridge's Super recipe, loss scale 0.3); Megatron's init std 0.014
-    "super": dict(SUPER, activation_checkpointing=True),
+    "super": dict(
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, mamba_num_heads=128, n_groups=8,
+        hybrid_override_pattern="MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*"
+                                "EMEMEMEME",
+        n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, routed_scaling_factor=5.0, init_std=0.014,
+        num_nextn_predict_layers=1, mtp_pattern="*E", mtp_depths=2, mtp_loss_scale=0.3, activation_checkpointing=True),
 }
 
 # A preset's reference layout: the layout chooser (layout.py) takes it first on this many ranks when it fits.
@@ -250,12 +250,9 @@ SAMPLE_FIELDS = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_w
 
 
 def upgrade_record(values, where):
-    """A run record written by an earlier version (the {field: value} of `where`, a checkpoint's config.json) ->
-    its values for this one. SAMPLE_FIELDS go: unused (no --train-samples: nothing read them) they are dropped; a
-    schedule in samples becomes the same schedule in steps where that gives the same LR at every step: each count
-    the schedule reads (warm-up; decay end for cosine and WSD; WSD tail) divides by the global batch, and there is
-    no warm-up unless the global batch is 1 (the warm-up rose from lr / warm-up at sample 0 by lr x global batch /
-    warm-up a step, a ramp that no warm-up in steps gives); else one line refuses the record and names the fix."""
+    """A run record written by an earlier version (the {field: value} of `where`, a checkpoint's config.json) -> its
+    values for this one, by docs/checkpoints.md §1's rule: SAMPLE_FIELDS go, dropped when unused, else as the same
+    schedule in steps where one gives the same LR at every step; else one line refuses the record, naming the fix."""
     values = dict(values)
     old = {k: values.pop(k, None) for k in SAMPLE_FIELDS}
     if not old["train_samples"]:
@@ -387,17 +384,15 @@ def check(cfg):
         errors.append(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
     if 0 <= cfg.lr < math.inf and 0 <= cfg.min_lr < math.inf and cfg.min_lr > cfg.lr:
         errors.append(f"--min-lr {cfg.min_lr}: must not exceed --lr {cfg.lr} (the schedule decays from --lr to it)")
-    for k in ("eval_frac", "mock_text_only_frac"):
-        if getattr(cfg, k) >= 1:
-            errors.append(f"--{flag(k)} {getattr(cfg, k)}: must be below 1 (a fraction)")
+    errors += [f"--{flag(k)} {getattr(cfg, k)}: must be below 1 (a fraction)"
+               for k in ("eval_frac", "mock_text_only_frac") if getattr(cfg, k) >= 1]
     for k in ("train_layers", "lora_targets"):   # matching nothing: memory.sizing_model, lora.apply
         try:
             re.compile(getattr(cfg, k) or "")
         except re.error as e:
             errors.append(f"--{flag(k)} {getattr(cfg, k)!r}: not a regular expression ({e})")
-    for k in ("hybrid_override_pattern", "mtp_pattern"):
-        if set(getattr(cfg, k)) - set("M*E-") or not getattr(cfg, k):
-            errors.append(f"{k} may only hold M * E -, got {getattr(cfg, k)!r}")
+    errors += [f"{k} may only hold M * E -, got {getattr(cfg, k)!r}" for k in ("hybrid_override_pattern", "mtp_pattern")
+               if set(getattr(cfg, k)) - set("M*E-") or not getattr(cfg, k)]
     if cfg.mtp_depths and not cfg.num_nextn_predict_layers:
         errors.append(f"--mtp-depths {cfg.mtp_depths}: the model has no MTP block (num_nextn_predict_layers 0)")
     for kind, whole, part in MULTIPLES:

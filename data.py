@@ -346,9 +346,8 @@ class Encoder:
                 if k in videos:
                     (th, tw), heads, tubes = videos[k]
                 else:
-                    (th, tw), heads, tubes = next(grids), [[]], None
-                    u8 = next(opened)[1]
-                    tubes = [radio.resize(u8, th, tw, p)] if pixels else None
+                    (th, tw), heads = next(grids), [[]]
+                    tubes = [radio.resize(next(opened)[1], th, tw, p)] if pixels else None
                 visual = self._visual(heads, (th, tw), runs, len(ids))
                 ids += visual
                 mask += [train] * len(visual)   # image ids are never targets anyway (labels rule in make_row)
@@ -389,10 +388,6 @@ def make_row(docs, cfg, pad_id, packed):
 
 
 # ---------------------------------------------------------------- the dataset
-
-def _seed(*parts):
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
-
 
 class Blend:
     """Megatron's greedy blending: index i goes to the source furthest behind its share, argmax_s w_s (i+1) - n_s.
@@ -453,7 +448,8 @@ class RealData:
         if (s, epoch) not in self.perms:
             if len(self.perms) > 8:
                 self.perms.clear()
-            g = torch.Generator().manual_seed(_seed(self.seed, s, epoch))
+            key = hashlib.sha256(f"{self.seed}/{s}/{epoch}".encode()).digest()[:8]
+            g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
             self.perms[s, epoch] = torch.randperm(n, generator=g).numpy()
         return int(self.perms[s, epoch][position % n])
 
@@ -536,9 +532,6 @@ class EvalSet:
     def __len__(self):
         return self.size
 
-    def __getitem__(self, i):
-        return self.sample(i)
-
     def sample(self, i, pixels=True):
         if i < self.n:
             return self.ds.sample(i, pixels)
@@ -585,17 +578,16 @@ class Loader:
     restarted eval), it restarts its stream there. state_dict() holds the next global sample index: one number
     serves every language lane, each lane's own samples follow from it (lane_samples)."""
 
-    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, prefetch=4):
+    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0):
         self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
-        self.num_workers, self.prefetch = num_workers, prefetch
-        self.next, self.it = 0, None
+        self.num_workers, self.next, self.it = num_workers, 0, None
 
     def step(self, base, n_micro):
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
                 _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None,
                 sampler=itertools.count(base, self.spm), num_workers=self.num_workers, collate_fn=_identity,
-                worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=self.prefetch if self.num_workers else None))
+                worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None))
         out = {}
         for _ in range(n_micro):
             out.update(next(self.it))

@@ -157,9 +157,6 @@ class SkipBad:
             raise AttributeError(name)
         return getattr(self.ds, name)
 
-    def __getitem__(self, i):
-        return self.sample(i)
-
     def sample(self, i, pixels=True):
         try:
             return self.ds.sample(i, pixels)
@@ -196,10 +193,10 @@ def nothing_to_train(counters, steps, loaded, say):
 def check_finite_run(bad_steps, limit, norm, save):
     """Abort after `limit` consecutive skipped (non-finite) steps: every rank, the same step (norm is agreed)."""
     if limit and bad_steps >= limit:
-        latest = os.path.join(save, "latest") if save else None
-        if latest and os.path.exists(latest):
-            kept = (f"`latest` stays {open(latest).read().strip()} in {save}. Resume from it with a lower --lr or "
-                    "longer warmup, or raise --max-skipped-steps")
+        latest = checkpoint.read_latest(save) if save else None
+        if latest:
+            kept = (f"`latest` stays {latest} in {save}. Resume from it with a lower --lr or longer warmup, or "
+                    "raise --max-skipped-steps")
         else:
             kept = "no checkpoint was saved. Start again with a lower --lr or longer warmup"
         raise SystemExit(f"{bad_steps} consecutive steps had non-finite gradients (grad norm {norm}); stopping, "

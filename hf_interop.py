@@ -216,7 +216,7 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
     dtype casts the floating tensors but the expert bias (fp32 in HF: _keep_in_fp32_modules_strict). `source`
     (copy_source's): its files and carried tensors come along, its config.json's fields where ours say nothing."""
     lm_sd = checkpoint.language_state_dict(state_dict)
-    checkpoint.check_tensors(lm_sd, checkpoint.lm_shapes(cfg), "export_hf(state_dict)")
+    checkpoint.check_tensors(lm_sd, meta_shapes(model.LanguageModel, cfg), "export_hf(state_dict)")
     cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
     tensors = {}
     for k, v in lm_sd.items():
@@ -233,14 +233,12 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
     ids = dict(bos_token_id=sp.get("<s>"), eos_token_id=eos[0] if len(eos) == 1 else eos, pad_token_id=sp["<pad>"])
     torch_dtype = checkpoint.dtype_name(tensors["backbone.embeddings.weight"])
     if vision:
-        checkpoint.check_tensors(vision, vision_shapes(cfg), "export_hf(state_dict) vision.")
+        checkpoint.check_tensors(vision, meta_shapes(radio.VisionModel, cfg), "export_hf(state_dict) vision.")
         tensors = {OMNI_LM + k: v for k, v in tensors.items()}
         tensors.update({radio.hf_name(k): cast(v) for k, v in vision.items()})
         tensors[OMNI_VISION + "radio_model.summary_idxs"] = torch.tensor(summary_idxs(cfg))
-        for i in range(cfg.vit_depth):   # HF's RADIO has LayerScale parameters: identity
-            for j in (1, 2):
-                tensors[f"{OMNI_VISION}{RADIO_ROOT}blocks.{i}.layer_scale{j}.lambda1"] = \
-                    cast(torch.ones(cfg.vit_hidden))
+        tensors.update({f"{OMNI_VISION}{RADIO_ROOT}blocks.{i}.layer_scale{j}.lambda1": cast(torch.ones(cfg.vit_hidden))
+                        for i in range(cfg.vit_depth) for j in (1, 2)})   # HF's RADIO has LayerScale: identity
         hf = omni_config(cfg, torch_dtype, ids)
     else:
         hf = hf_config(cfg, torch_dtype, ids)
@@ -303,9 +301,10 @@ def copy_source(src, out):
         checkpoint.write_atomic(os.path.join(out, CARRIED_NAME), carried)
 
 
-def vision_shapes(cfg):
+def meta_shapes(module, cfg, prefix=""):
+    """{prefix + name: shape} of module(cfg)'s state dict, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in radio.VisionModel(cfg).state_dict().items()}
+        return {prefix + k: tuple(v.shape) for k, v in module(cfg).state_dict().items()}
 
 
 def _write_shards(tensors, out_dir, max_shard_bytes):
@@ -327,15 +326,6 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
         weight_map = {k: name for keys, name in zip(shards, names) for k in keys}
         checkpoint.write_atomic(os.path.join(out_dir, INDEX_NAME),
                                 {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def _drop_stale_shards(out_dir, written):
-    """When `written` (an export's files) holds weights: an earlier export's shards or index it did not replace,
-    which a loader would otherwise pick up."""
-    if any(SHARD_FILES.fullmatch(n) for n in written):
-        for name in os.listdir(out_dir):
-            if SHARD_FILES.fullmatch(name) and name not in written:
-                os.remove(os.path.join(out_dir, name))
 
 
 # ---------------------------------------------------------------- HF import
@@ -364,8 +354,8 @@ class HFSource:
             self.cfg = dataclasses.replace(self.cfg, video_temporal_patch=0)
         self.where, self.fresh, self.handles, errors, skipped = {}, {}, {}, [], {}
         lm_root = OMNI_LM if omni else ""
-        shapes = {"language." + k: v for k, v in checkpoint.lm_shapes(self.cfg).items()}
-        vision = {"vision." + k: v for k, v in vision_shapes(self.cfg).items()}
+        shapes = meta_shapes(model.LanguageModel, self.cfg, "language.")
+        vision = meta_shapes(radio.VisionModel, self.cfg, "vision.")
         # MTP blocks a directory announces but does not hold (transformers' save_pretrained drops them) start fresh
         no_mtp = self.cfg.num_nextn_predict_layers and not any(k.startswith(lm_root + "mtp.") for k in files)
         errors += self._map(files, {k: v for k, v in shapes.items() if not (no_mtp and ".mtp." in k)},
@@ -553,8 +543,7 @@ def main(argv=None):
 
 
 def _check_out(cmd, out, overwrite):
-    """--out is never, nor lies in, a checkpoint directory (checkpoint.enclosing); it is new or empty unless
-    `overwrite`."""
+    """--out is never, nor lies in, a checkpoint directory (checkpoint.enclosing); new or empty unless `overwrite`."""
     held = checkpoint.enclosing(out)
     if held is not None:
         where = "is a checkpoint directory" if held == os.path.realpath(out) else \
@@ -569,8 +558,8 @@ def _check_out(cmd, out, overwrite):
 
 def _staged(out, write):
     """write(a new directory inside `out`) -> its result; what it wrote then replaces the entries of those names in
-    `out` (never written into: a file may be a checkpoint's hard link), and an earlier export's shards the new
-    weights do not replace are dropped (_drop_stale_shards). A failed write changes no file in `out`."""
+    `out` (never written into: a file may be a checkpoint's hard link), and an earlier export's shards or index the
+    new weights do not replace are dropped (a loader would pick them up). A failed write changes no file in `out`."""
     try:
         os.makedirs(out, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".writing-", dir=out)
@@ -582,7 +571,10 @@ def _staged(out, write):
         names = os.listdir(stage)
         for name in names:
             os.replace(os.path.join(stage, name), os.path.join(out, name))
-        _drop_stale_shards(out, names)
+        if any(SHARD_FILES.fullmatch(n) for n in names):
+            for name in set(os.listdir(out)) - set(names):
+                if SHARD_FILES.fullmatch(name):
+                    os.remove(os.path.join(out, name))
         return result
     finally:
         shutil.rmtree(stage, ignore_errors=True)

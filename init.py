@@ -35,18 +35,14 @@ def build(cfg, par, device, skip=frozenset()):
             real = nn.Parameter(torch.empty(p.shape, dtype=dtypes[id(p)], device=device), p.requires_grad)
             real.__dict__.update(p.__dict__)   # shards, tp_partial
             torch.utils.swap_tensors(p, real)  # the same Python object: every reference to it stays valid
-            if f"{key}.{name}" not in skip:
-                drawn, seed, rule, where = _how(cfg, key, name, device)
-                comm.init_shard(p, drawn, seed, rule, ranks, sizes, where)
+            if f"{key}.{name}" in skip:
+                continue
+            if "lora_" in name:
+                comm.init_shard(p, f"{key}.{name}", cfg.seed + lora.SEED, lora.rule(name), ranks, sizes, "cpu")
+            elif key == "vision":
+                comm.init_shard(p, name, cfg.seed + VISION_SEED, vision_rule(name, cfg.vit_hidden), ranks, sizes, "cpu")
+            else:
+                comm.init_shard(p, name, cfg.seed + model.SEED, model.rule(name, cfg), ranks, sizes, device)
         for b in module.buffers():
             torch.utils.swap_tensors(b, torch.zeros(b.shape, dtype=b.dtype, device=device))
     return modules
-
-
-def _how(cfg, key, name, device):
-    """(name drawn, seed, rule, device drawn on) of parameter `name` of module `key`."""
-    if "lora_" in name:
-        return f"{key}.{name}", cfg.seed + lora.SEED, lora.rule(name), "cpu"
-    if key == "vision":
-        return name, cfg.seed + VISION_SEED, vision_rule(name, cfg.vit_hidden), "cpu"
-    return name, cfg.seed + model.SEED, model.rule(name, cfg), device

@@ -4,17 +4,15 @@ of a layout when the command line names none. Pure: runs before init_process_gro
 Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank (parallel.py builds
 the grids and groups).
 
-The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout
-(config.REFERENCE_LAYOUTS) on its world size if it fits, else, of the colocated layouts on WORLD_SIZE ranks that fit
-(memory.required: the training peak within 92 % of a rank's memory, the set-up peak within 95 %), the one that
-moves the fewest bytes per rank per step, smaller tp, cp, ep, etp on a tie; layouts with context parallelism only
-when none without it fits. Fitting comes first because a layout that does not fit does not run; among those that
-do, communication is what the layout changes (the FLOPs per rank are the same, except that the cp ranks of a
-colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts
+The choice (plan() given a rank's memory, no grid flag given; docs/layouts.md §1): the preset's reference layout if
+it fits (memory.required), else the colocated layout that fits and moves the fewest bytes per rank per step, cp
+only where nothing without it fits. Fitting comes first because a layout that does not fit does not run; among
+those that do, communication is what the layout changes (the FLOPs per rank are the same, except that the cp ranks
+of a colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts
 what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks sends 2 (g-1)/g B, an all-gather,
-reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens,
-S the tower's tokens of a micro-batch (memory.py's counts) and a layer pass = forward, backward, and under
---activation-checkpointing the recomputed forward:
+reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens, S the tower's tokens of a
+micro-batch (memory.py's counts) and a layer pass = forward, backward, and under --activation-checkpointing the
+recomputed forward:
   language tp   per micro-batch and layer pass an all-reduce of the T x D bf16 activation (an MoE layer: its
                 shared expert's, and an all-gather of its routed rows); the embedding's and lm_head's, one each
   ep, etp       per micro-batch and MoE layer pass the dispatch and combine all-to-all of the T k / tp routed rows
@@ -112,8 +110,7 @@ def check_layout(lay, cfg):
                           "different colocated shapes is not implemented; use a hetero layout")
     elif lay.vision_size + lay.lm_size != lay.world:
         errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
-    sizes = {k: getattr(lay, k) for k in ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp",
-                                          "micro_batch", "global_batch", "lm_cp", "lm_pp")}
+    sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay) if f.name not in ("world", "colocated")}
     bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
     if bad:  # the checks below divide by these
         raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
@@ -156,14 +153,13 @@ def check_layout(lay, cfg):
         if n % size:
             errors.append(f"{kind} {size} does not divide {name} {n} (--{config.flag(kind)} "
                           f"{config.nearest_divisors((n,), size, lay.world)} would)")
-    vdp, ldp = lay.vision_dp, lay.lm_dp
+    vdp, ldp, spm = lay.vision_dp, lay.lm_dp, lay.samples_per_microbatch
     if max(vdp, ldp) % min(vdp, ldp):
         errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
-    if lay.samples_per_microbatch % vdp:
+    if spm % vdp:
         fix = next(m for m in range(lay.micro_batch + 1, vdp * lay.micro_batch + 1) if m * ldp % vdp == 0)
-        errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {lay.samples_per_microbatch} samples "
-                      f"per microbatch do not split evenly over vision dp {vdp} (--micro-batch {fix} would)")
-    spm = lay.samples_per_microbatch
+        errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {spm} samples per microbatch do not "
+                      f"split evenly over vision dp {vdp} (--micro-batch {fix} would)")
     if lay.global_batch % spm:
         near = sorted({max(lay.global_batch // spm, 1) * spm, -(-lay.global_batch // spm) * spm})
         errors.append(f"global_batch {lay.global_batch} is not divisible by micro_batch {lay.micro_batch} x "
@@ -199,10 +195,9 @@ def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=Tru
 
 def named(cfg, world, given):
     """The layout the `given` layout fields name (see plan()); none given: the reference or colocated dp."""
-    batch = dict(micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
-    ref_world, ref = config.REFERENCE_LAYOUTS.get(cfg.preset, (None, None))
-    if world == ref_world and given in ({}, {"colocated": ref["colocated"]}):
-        return check_layout(Layout(world=world, **ref, **batch), cfg)
+    ref = reference(cfg, world)
+    if ref and given in ({}, {"colocated": ref.colocated}):
+        return check_layout(ref, cfg)
     given = dict(given)
     colocated = given.pop("colocated", None)
     if colocated is None:
@@ -220,32 +215,30 @@ def named(cfg, world, given):
         s["vision_dp"] = (world - s["lm_tp"] * s["lm_cp"] * s["lm_dp"]) // s["vision_tp"]
     elif s["lm_dp"] is None:
         s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // (s["lm_tp"] * s["lm_cp"])
-    return check_layout(Layout(world=world, colocated=bool(colocated), **s, **batch), cfg)
+    return check_layout(Layout(world=world, colocated=bool(colocated), **s, micro_batch=cfg.micro_batch,
+                               global_batch=cfg.global_batch), cfg)
 
 
 def reference(cfg, world):
-    """The preset's reference layout (config.REFERENCE_LAYOUTS) if it is valid on `world` ranks, else None."""
+    """The preset's reference layout (config.REFERENCE_LAYOUTS, unchecked) if `world` is its world size, else None."""
     ref_world, ref = config.REFERENCE_LAYOUTS.get(cfg.preset, (None, None))
-    if world != ref_world:
-        return None
-    lay = Layout(world=world, **ref, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch)
-    return lay if valid(lay, cfg) else None
+    return Layout(world=world, **ref, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch) \
+        if world == ref_world else None
 
 
 def candidates(cfg, world):
-    """The layouts the chooser weighs on `world` ranks: the reference layout first, where there is one, then every
-    valid colocated layout (one tp and cp for both modules, ep x etp over all ranks, dp the rest)."""
+    """The valid layouts the chooser weighs on `world` ranks: the reference layout first, where there is one, then
+    the colocated layouts (one tp and cp for both modules, ep x etp over all ranks, dp the rest)."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     colocated = [Layout(world=world, colocated=True, vision_tp=tp, vision_dp=world // (tp * cp), lm_tp=tp,
                         lm_dp=world // (tp * cp), lm_ep=ep, lm_etp=etp, micro_batch=cfg.micro_batch,
                         global_batch=cfg.global_batch, lm_cp=cp)
                  for tp in divisors for cp in divisors for ep in divisors for etp in divisors
                  if world % (tp * cp) == 0 and world % (ep * etp) == 0]
-    return [lay for lay in [reference(cfg, world)] if lay] + [lay for lay in colocated if valid(lay, cfg)]
+    return [lay for lay in [reference(cfg, world)] + colocated if lay and valid(lay, cfg)]
 
 
 def valid(lay, cfg):
-    """Whether check_layout accepts the layout."""
     try:
         check_layout(lay, cfg)
     except SystemExit:
@@ -254,13 +247,13 @@ def valid(lay, cfg):
 
 
 def choose(cfg, world, capacity, cuda, say, strict):
-    """The reference layout if it fits `capacity` bytes per rank, else the colocated layout that fits and moves the
-    fewest bytes (the module docstring); `say` gets which and why. None fits: SystemExit naming what would (not
-    strict: `say` that, and return the closest)."""
+    """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why. None fits:
+    SystemExit naming what would (not strict: `say` that, and return the closest)."""
     plans = {lay: memory.plan(cfg, lay, cuda) for lay in candidates(cfg, world)}
     if not plans:       # nothing valid: the colocated dp layout's errors say why
         return named(cfg, world, {})
     ref = reference(cfg, world)
+    ref = ref if ref in plans else None   # an invalid reference layout is no candidate
     fitting = [lay for lay, rows in plans.items() if lay != ref and memory.fits(rows, capacity) is None]
     fitting = [lay for lay in fitting if lay.lm_cp == 1] or fitting   # cp only where it is what fits
     if ref and memory.fits(plans[ref], capacity) is None:

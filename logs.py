@@ -202,13 +202,13 @@ class Log:
                  f"MFU {na(rec['mfu'], '.1%')} | peak mem {max(rec['peak_mem_gib_per_rank']):.2f} GiB | "
                  f"{rec['step_time_s'] * 1e3:.0f} ms | elapsed {fmt_time(rec['elapsed_s'])} | "
                  f"ETA {fmt_time(rec['eta_s'])}")
+        self._record(rec, step_scalars(rec), rec["step"])
+
+    def _record(self, rec, scalars, step):
+        """A record to the metrics file, its scalars ({name: number}) to every sink (neither off the logging rank)."""
         if self.metrics:
             self.metrics.write(json_line(rec))
             self.metrics.flush()
-        self.scalars(step_scalars(rec), rec["step"])
-
-    def scalars(self, scalars, step):
-        """{name: number} at a step to every sink (none off the logging rank)."""
         for sink in self.sinks:
             sink.log(scalars, step)
 
@@ -216,10 +216,7 @@ class Log:
         self.last["eval_loss"] = result["eval_loss"]
         self.say(f"eval step {step}: loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f} | "
                  f"{result['eval_tokens']} tokens of {result['eval_samples']} samples")
-        if self.metrics:
-            self.metrics.write(json_line({"step": step, **result}))
-            self.metrics.flush()
-        self.scalars({name: result[key] for name, key in EVAL_SCALARS.items()}, step)
+        self._record({"step": step, **result}, {name: result[key] for name, key in EVAL_SCALARS.items()}, step)
 
     def close(self, step, save_dir):
         """The closing summary: steps, time, last losses, the checkpoint and the lines to resume and export."""
@@ -233,18 +230,14 @@ class Log:
         fmt = lambda k: "N/A" if self.last.get(k) is None else f"{self.last[k]:.4f}"  # noqa: E731
         self.say(f"done: {step - self.first} steps (to step {step}) in {fmt_time(self.elapsed())} | last loss "
                  f"{fmt('loss')} | last eval loss {fmt('eval_loss')}")
-        if save_dir:
-            self.say(f"checkpoint: {save_dir}\nresume (add --steps N to train on): {resume_command(save_dir)}\n"
-                     f"export: python hf_interop.py export-hf --load {shlex.quote(save_dir)} --out HF_DIR")
-
-
-def resume_command(save_dir):
-    """The line that continues the run saved in save_dir: the checkpoint holds everything else (resume.py)."""
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    nodes = int(os.environ.get("WORLD_SIZE", 1)) // nproc
-    launcher = "python" if nproc == 1 and nodes == 1 else \
-        f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
-    return f"{launcher} train.py --load {shlex.quote(save_dir)}"
+        if save_dir:   # the checkpoint holds everything else the run needs (resume.py)
+            nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            nodes = int(os.environ.get("WORLD_SIZE", 1)) // nproc
+            launcher = "python" if nproc == 1 and nodes == 1 else \
+                f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
+            load = shlex.quote(save_dir)
+            self.say(f"checkpoint: {save_dir}\nresume (add --steps N to train on): {launcher} train.py --load {load}\n"
+                     f"export: python hf_interop.py export-hf --load {load} --out HF_DIR")
 
 
 def json_line(rec):

@@ -16,11 +16,9 @@ only each layer's input plus one layer's worth during its recompute. MoE assumes
 a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
 Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers are
 persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
-Set-up, apart (over before the first step): init.py materialises each weight in the dtype it trains in and draws
-one full-size fp32 tensor at a time, so the weights plus one full draw of the largest language parameter (drawn on
-the device; the tower and the adapters are drawn on the CPU). optim.build's gradient buffers and main weights
-come after the draw is freed, and are part of the training peak. Checked on the GPU by bench/memory_check.py and
-tests/test_gpu.py.
+Set-up, apart (docs/memory.md §5): the weights plus one full-size fp32 draw of the largest language parameter (the
+tower and the adapters are drawn on the CPU); optim.build's buffers and main weights come after the draw is freed,
+in the training peak. Checked on the GPU by bench/memory_check.py and tests/test_gpu.py.
 """
 import json
 import os
@@ -60,8 +58,8 @@ def sizing_model(cfg):
 def parameter_counts(cfg):
     """({"vision" | "language": {(expert, etp-sharded, tp-sharded, trained): parameters}}, the language model's
     largest parameter, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's plan
-    needs of the model. Cached per cfg: building
-    the sizing model takes about a second for Nano, and the layout chooser plans dozens of layouts of one cfg."""
+    needs of the model. Cached per cfg: building the sizing model takes about a second for Nano, and the layout
+    chooser plans dozens of layouts of one cfg."""
     key = tuple(vars(cfg).items())
     if key not in _COUNTS:
         modules, counts = sizing_model(cfg), {}
@@ -90,11 +88,12 @@ def local_parameters(cfg, lay):
 
 
 def parameter_bytes(cfg, lay, cuda=True):
-    """{"vision" | "language": {"weights", "gradients", "optimizer", "casts", "setup"}} bytes of one rank of that
-    module. setup: the set-up peak (init.py): the weights, and for the language model the one full-size fp32 tensor
-    of its largest parameter's draw (on the device; the tower is drawn on the CPU)."""
+    """{"vision" | "language": {"weights", "gradients", "optimizer", "activations", "setup"}} bytes of one rank of
+    that module; activations: the bf16 copies autocast keeps of fp32 weights (plain AdamW on CUDA). setup: the
+    set-up peak (init.py): the weights, and for the language model the one full-size fp32 tensor of its largest
+    parameter's draw (on the device; the tower is drawn on the CPU)."""
     distributed = cfg.distributed_optimizer
-    out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "casts": 0.0, "setup": 0.0}
+    out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "setup": 0.0}
            for kind in ("vision", "language")}
     out["language"]["setup"] = 4 * parameter_counts(cfg)[1]   # the sizing model's are full size
     for kind, expert, trained, n, d in local_parameters(cfg, lay):
@@ -106,16 +105,16 @@ def parameter_bytes(cfg, lay, cuda=True):
         if trained:
             b["gradients"] += n * 4
             b["optimizer"] += n * (8 if fp32 else 12 / d)
-            b["casts"] += n * 2 if cuda and not distributed else 0
+            b["activations"] += n * 2 if cuda and not distributed else 0
     return out
 
 
-def language_activation_bytes(cfg, lay, micro_batch, checkpointing):
+def language_activation_bytes(cfg, lay):
     """Bytes autograd keeps for one micro-batch of one language rank, at the peak of its backward. Under context
     parallelism a rank holds T / cp tokens, except for attention's gathered whole-row K and V, and the largest
     exchange's send and receive buffers (cp.py) come on top."""
-    cp = lay.lm_cp
-    T, D, tp, etp = micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
+    cp, checkpointing = lay.lm_cp, cfg.activation_checkpointing
+    T, D, tp, etp = cfg.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
     d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     K, E, Z = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_latent_size or cfg.hidden_size
@@ -176,12 +175,9 @@ def vision_activation_bytes(cfg, lay):
 def plan(cfg, lay, cuda=True):
     """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
     both modules on every rank, both kinds the same."""
-    params = parameter_bytes(cfg, lay, cuda)
-    act = {"vision": vision_activation_bytes(cfg, lay),
-           "language": language_activation_bytes(cfg, lay, cfg.micro_batch, cfg.activation_checkpointing)}
-    rows = {k: {"weights": params[k]["weights"], "gradients": params[k]["gradients"],
-                "optimizer": params[k]["optimizer"], "activations": act[k] + params[k]["casts"],
-                "setup": params[k]["setup"]} for k in params}   # setup: apart from the training peak
+    rows = parameter_bytes(cfg, lay, cuda)   # setup: apart from the training peak
+    rows["vision"]["activations"] += vision_activation_bytes(cfg, lay)
+    rows["language"]["activations"] += language_activation_bytes(cfg, lay)
     if lay.colocated:
         both = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
         rows = {"vision": both, "language": dict(both)}

@@ -1,8 +1,8 @@
 """Everything after backward, in one class (Megatron's distributed optimizer, by hand on torch.distributed): the
 gradient buffers, their reduction, the global norm, clipping, the inf / nan consensus, AdamW and its checkpoint
 state, and the learning-rate schedule (learning_rate). train.py calls `norm, ok = opt.finish(n_tokens, max_norm)`,
-then, if ok, `opt.step()`. The rules it keeps
-(per-module sums, one token count, one norm, all ranks skip together): docs/parallel.md §8.
+then, if ok, `opt.step()`. The rules it keeps (per-module sums, one token count, one norm, all ranks skip together)
+and why by hand, not DDP / FSDP2: docs/parallel.md §8, docs/memory.md §1.
 
 Every trained parameter belongs to one data-parallel domain, the group over which its gradient is summed (vision dp
 for the tower, language dp-cp for dense weights, edp for routed experts). A domain's parameters are packed into
@@ -28,14 +28,8 @@ Weights, a policy (fp32_weights): sharded on CUDA they are bf16 (2 bytes, no aut
 copy, nothing to gather): replicated always, sharded on the CPU at dp 1, and on CUDA for routed experts at edp 1
 under --activation-checkpointing (their bf16 casts, made in moe.grouped_mm, are dropped after each layer and
 recomputed: 16 bytes instead of 18, the same numbers). Frozen weights are bf16 on CUDA when sharded.
-Checkpoints: one per-parameter format (checkpoint.py). gather_state assembles each parameter's full fp32 main
-weights and moments, load takes this rank's shard of them, so a run resumes into any dp and either mode; a
-parameter's state comes back whatever else shares its bucket (AdamW counts steps per bucket, so a bucket whose
-parameters' states differ in age, e.g. a stage 2 checkpoint in a stage 3 run, is first split by age).
-Why by hand, not DDP / FSDP2: gradients accumulate over all micro-batches and are reduced once, explicitly (text-only
-encoder ranks would never fire DDP's hooks); the tower, dense and expert weights of one module step over three
-different groups, on two grids (hetero), next to hand-written TP / EP; a bucket over an explicit group is all that
-needs.
+Checkpoints: one per-parameter format (checkpoint.py; gather_state, load), so a run resumes into any dp and either
+mode, each parameter's state whatever else shares its bucket (_split_by_age: AdamW counts steps per bucket).
 """
 import math
 
@@ -98,9 +92,8 @@ def domains(par, vision, lm):
 
 class Bucket:
     """Parameters packed flat (offsets) and their fp32 gradient buffer, padded to shards x shard. This rank owns
-    [lo, lo + shard): the main weights and moments AdamW steps. shards: the domain's size (sharded) or 1
-    (replicated: the whole bucket on every rank). values: {id(param): tensor} the main weights start from (default:
-    the parameters)."""
+    [lo, lo + shard): the main weights and moments AdamW steps. shards: the domain's size (sharded) or 1 (replicated:
+    the whole bucket on every rank). values: {id(param): tensor} the main weights start from (default: parameters)."""
 
     def __init__(self, params, group, groups, decay, sharded, fp32, values=None):
         self.params, self.group, self.groups, self.decay, self.sharded = params, group, groups, decay, sharded
@@ -137,7 +130,6 @@ class Bucket:
         return out
 
     def gather(self, shard):
-        """All ranks' shards of this bucket, concatenated."""
         if self.n == 1:
             return shard
         full = torch.empty(self.shard * self.n, dtype=shard.dtype, device=shard.device)
@@ -206,8 +198,11 @@ class AdamW:
                 if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside):
                     p.grad_view.copy_(p.grad) if p.grad is not None else p.grad_view.zero_()   # it steps like zeros
                 p.grad = p.main_grad = None
-        for group, params in self.partial:
-            _allreduce([p.grad_view for p in params], group)
+        for group, params in self.partial:   # one flat all-reduce of the adapters' partial sums
+            flat = torch.cat([p.grad_view.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=group)
+            for p, r in zip(params, flat.split([p.numel() for p in params])):
+                p.grad_view.copy_(r.view_as(p.grad_view))
         counted, copies = [], []
         for b in self.buckets:
             b.reduce()
@@ -265,24 +260,18 @@ class AdamW:
             self._split_by_age(states)
         sd = self.inner.state_dict() if self.inner is not None else {"state": {}}
         sd["state"] = {}
-        for i, b in enumerate(b for b in self.buckets if b.decay):   # the inner groups' order: decay first
-            self._load_bucket(b, i, mains, states, sd)
-        first = sum(b.decay for b in self.buckets)
-        for i, b in enumerate((b for b in self.buckets if not b.decay), start=first):
-            self._load_bucket(b, i, mains, states, sd)
+        in_order = [b for b in self.buckets if b.decay] + [b for b in self.buckets if not b.decay]   # _inner's order
+        for i, b in enumerate(in_order):
+            with torch.no_grad():
+                for p, a, e, s in b.segments():
+                    if id(p) in mains:
+                        b.main[s:s + e - a] = mains[id(p)].reshape(-1)[a:e].float()
+            if states is not None and id(b.params[0]) in states:   # split by age: all of the bucket has state, or none
+                sd["state"][i] = {"step": states[id(b.params[0])]["step"],
+                                  **{k: b.local({id(p): states[id(p)][k] for p in b.params})
+                                     for k in ("exp_avg", "exp_avg_sq")}}
         if self.inner is not None:
             self.inner.load_state_dict(sd)
-
-    @staticmethod
-    def _load_bucket(b, i, mains, states, sd):
-        with torch.no_grad():
-            for p, a, e, s in b.segments():
-                if id(p) in mains:
-                    b.main[s:s + e - a] = mains[id(p)].reshape(-1)[a:e].float()
-        if states is not None and id(b.params[0]) in states:   # split by age: all of the bucket has state, or none
-            sd["state"][i] = {"step": states[id(b.params[0])]["step"],
-                              **{k: b.local({id(p): states[id(p)][k] for p in b.params})
-                                 for k in ("exp_avg", "exp_avg_sq")}}
 
     def _split_by_age(self, states):
         """Replace every bucket whose parameters' saved states differ in age (step count; none counts as 0) by one
@@ -316,14 +305,6 @@ def _accumulate_fp32(p):
     else:
         p.main_grad.add_(p.grad)
     p.grad = None
-
-
-def _allreduce(tensors, group):
-    """SUM all-reduce fp32 `tensors` over `group`, as one flat buffer."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    for t, r in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(r.view_as(t))
 
 
 def _global_norm(counted, copies):

@@ -1,13 +1,7 @@
-"""Rank grids and process groups (docs/parallel.md; the layout is layout.py, the bridge bridge.py,
-what happens to gradients after backward optim.py).
-
-The vision encoder and the language model each live on a grid of ranks. Hetero: vision on [0, V), language on
-[V, V+L). Colocated: both on every rank. Read top to bottom:
-
-  1. Grid     a rank tensor `arange(size).view(pp, dp, cp, tp) + offset`; every group is a slice of it
-              (docs/parallel.md §2, §3).
-  2. Setup    the groups the code reads, each a slice of a grid, created in one fixed order on every rank
-              (docs/parallel.md §5).
+"""Rank grids and process groups (docs/parallel.md; the layout is layout.py, the bridge bridge.py, what happens to
+gradients after backward optim.py). Each module lives on a grid, a rank tensor
+`arange(size).view(pp, dp, cp, tp) + offset` (docs/parallel.md §2, §3); every group the code reads is a slice of one,
+created in one fixed order on every rank (§5).
 """
 import math
 from dataclasses import dataclass, field
@@ -19,16 +13,12 @@ import watchdog
 from layout import Layout, check_layout
 
 
-# ==================================================================================================================
-# 1. Grid
-# ==================================================================================================================
+# ---------------------------------------------------------------- grid
 
 class Grid:
     """Ranks [offset, offset+size) as a tensor. `dims` maps names to sizes, FASTEST first (tp, cp, dp, pp).
-
     Megatron's HyperCommGrid rank algebra: rank = offset + tp_i + tp*(cp_i + cp*(dp_i + dp*pp_i)). The expert view is
-    a second Grid over the same ranks with dims (etp, ep, edp, pp).
-    """
+    a second Grid over the same ranks with dims (etp, ep, edp, pp)."""
 
     def __init__(self, dims, offset=0):
         self.names = list(dims)
@@ -38,20 +28,16 @@ class Grid:
         # tensor axes are slowest first, so names[0] ends up with stride 1
         self.ranks = torch.arange(self.size).view(*reversed(self.shape)) + offset
 
-    def _axis(self, name):
-        if name not in self.names:
-            raise ValueError(f"{name!r} is not a dim of grid {self.names}")
-        return len(self.names) - 1 - self.names.index(name)
-
     def groups(self, dims):
         """Rank lists of the groups spanning `dims` ("tp-dp" or a list), in canonical order (docs/parallel.md §3).
-
         Requested axes go last (slowest first), the others first; each row of the reshape is one group. So inside a
         group the dim earliest in `names` varies fastest, and groups follow the other dims, latest name outermost.
-        The order in which `dims` is written does not matter.
-        """
+        The order in which `dims` is written does not matter."""
         dims = dims.split("-") if isinstance(dims, str) else list(dims)
-        keep = sorted({self._axis(d) for d in dims})
+        for d in dims:
+            if d not in self.names:
+                raise ValueError(f"{d!r} is not a dim of grid {self.names}")
+        keep = sorted({len(self.names) - 1 - self.names.index(d) for d in dims})   # tensor axes: slowest first
         rest = [a for a in range(len(self.names)) if a not in keep]
         group_size = math.prod(self.ranks.shape[a] for a in keep)
         return self.ranks.permute(rest + keep).reshape(-1, group_size).tolist()
@@ -60,7 +46,6 @@ class Grid:
         return self.offset <= rank < self.offset + self.size
 
     def coords(self, rank):
-        """{dim: index} of a rank of this grid."""
         assert rank in self, f"rank {rank} is not in grid [{self.offset}, {self.offset + self.size})"
         i, out = rank - self.offset, {}
         for name, n in zip(self.names, self.shape):
@@ -93,10 +78,7 @@ def lane_samples(lay, side, lane):
     return range(lane * n, (lane + 1) * n)
 
 
-
-# ==================================================================================================================
-# 2. Setup
-# ==================================================================================================================
+# ---------------------------------------------------------------- setup
 
 @dataclass
 class ModuleGroups:
@@ -164,8 +146,7 @@ class Parallel:
         return self.lm is not None
 
     def __str__(self):
-        parts = [m.identity() for m in (self.vision, self.lm) if m is not None]
-        return " | ".join(parts) + f" rank{self.rank}"
+        return " | ".join(m.identity() for m in (self.vision, self.lm) if m is not None) + f" rank{self.rank}"
 
 
 def one_device():
@@ -179,14 +160,12 @@ EXPERT_GROUPS = ["ep", "etp", "edp"]
 
 
 def setup(lay, cfg=None):
-    """Build both grids and create the groups the code uses on EVERY rank (new_group is collective over WORLD).
-
-    Call after init_process_group. Creation order is fixed (docs/parallel.md §5): vision tp, dp-cp; language tp, cp,
-    dp-cp, tp-cp, tp-dp-cp; expert ep, etp, edp; the bridge group (no embedding groups: with pp = 1 they would be
-    singletons). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
-    same lists, so the sequence of new_group calls is still identical everywhere. With cfg every group gets torch's
-    timeout watchdog.backstop(cfg.collective_timeout); each group is named for watchdog's messages.
-    """
+    """Build both grids and create the groups the code uses on EVERY rank (new_group is collective over WORLD),
+    after init_process_group. Creation order is fixed (docs/parallel.md §5): VISION_GROUPS, LM_GROUPS, EXPERT_GROUPS,
+    the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank lists share one group
+    object (colocated grids, size-1 dims): every rank computes the same lists, so the sequence of new_group calls is
+    still identical everywhere. With cfg every group gets torch's timeout watchdog.backstop(cfg.collective_timeout);
+    each group is named for watchdog's messages."""
     timeout = None
     if cfg is not None:
         check_layout(lay, cfg)

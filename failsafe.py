@@ -152,6 +152,9 @@ class SkipBad:
     def __init__(self, ds):
         self.ds, self.skipped = ds, 0
 
+    def __len__(self):
+        return len(self.ds)
+
     def __getattr__(self, name):   # fingerprint, cfg, ... of the wrapped data set
         if name == "ds":
             raise AttributeError(name)

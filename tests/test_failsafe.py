@@ -446,3 +446,10 @@ def test_failed_index_cache_write_ends_every_rank(tmp_path):
         rf"{re.escape(path)}: cannot write its index cache \S+\.idx\.npz \(OSError: No space left on device\)\. "
         rf"Free space in {re.escape(str(tmp_path))}, or make it read-only \(every rank then indexes for itself\)",
         msgs[0]), msgs
+
+
+def test_eval_only_with_skip_bad_samples_scores_the_data(tmp_path):
+    """--eval-only without --eval-data scores --data, also wrapped by --skip-bad-samples (it has a length)."""
+    path = _jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}, {"text": "a second document"}])
+    (result,), _ = train.main(["--preset", "tiny", "--data", path, "--skip-bad-samples", "--eval-only"])
+    assert result["eval_samples"] == 2 and result["eval_tokens"] == 11 + 17 + 2   # bytes and an EOS each

@@ -62,7 +62,9 @@ class Bridge:
 
     def __init__(self, par, device="cpu"):
         self.par, self.lay, self.device = par, par.layout, torch.device(device)
-        links = [] if self.lay.colocated else bridge_links(self.lay)
+        self.in_place = self.lay.in_place     # colocated, the same lanes: rows handed over in memory
+        self.defer = self.lay.colocated and not self.in_place   # shared ranks, each module its own lanes
+        links = [] if self.in_place else bridge_links(self.lay)
         self.out_links = [ln for ln in links if ln.src_leader == par.rank]   # non-empty on encoder leaders only
         self.in_links = [ln for ln in links if ln.dst_leader == par.rank]    # non-empty on language leaders only
         if par.vision is not None:
@@ -74,13 +76,29 @@ class Bridge:
         self._x = self._pass = None
         self._splits = None                    # language: rows per link of the pending microbatch (for backward)
         self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
+        self._later = {TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # deferred sends, posted with the receives
+        self._mail = {TAG_OPEN: [], TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # sends to this rank itself
         if self.out_links or self.in_links:
             self._open()
 
     def _post(self, ops):
-        """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch -> its requests."""
-        ops = [dist.P2POp(op, t, peer, group=self.par.bridge, tag=tag) for op, t, peer, tag in ops if t.numel()]
+        """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch -> its requests. A link whose
+        two leaders are this rank (shared ranks) is a copy: its send and receive are in one batch, sends first."""
+        for op, t, peer, tag in sorted(ops, key=lambda o: o[0] is dist.irecv):
+            if peer == self.par.rank and op is dist.isend:
+                self._mail[tag].append(t)
+            elif peer == self.par.rank:
+                t.copy_(self._mail[tag].pop(0))
+        ops = [dist.P2POp(op, t, peer, group=self.par.bridge, tag=tag) for op, t, peer, tag in ops
+               if t.numel() and peer != self.par.rank]
         return dist.batch_isend_irecv(ops) if ops else []   # 0 rows (text only): both sides know, neither posts
+
+    def _exchange(self, tag, ops):
+        """Post this rank's deferred sends of kind `tag` with `ops` as one batch and wait for it: on shared ranks a
+        send in a batch of its own could wait for a receive queued behind the peer's own send (docs/parallel.md §9)."""
+        ops, self._later[tag] = self._later[tag] + ops, []
+        for r in self._post(ops):
+            r.wait()
 
     def _open(self):
         """Every link of this leader, both directions, one element each: the connections NCCL sets up on a pair's
@@ -110,12 +128,12 @@ class Bridge:
         assert rows.dim() == 2 and len(counts) == self.lay.vision_micro_batch and sum(counts) == rows.shape[0], \
             f"rows {tuple(rows.shape)} do not match rows_per_sample {counts}"
         assert self.in_flight < 2, "bridge.send with two microbatches in flight: run backward_encoder first"
-        if self.lay.colocated:
+        if self.in_place:
             self._pass = (rows, counts)
             self._flight.append([rows, None, [], None])
             self.sent += 1
             return
-        if self._flight and self._flight[0][3] is None:
+        if self._flight and self._flight[0][3] is None and not self.defer:
             self._flight[0][3] = self._post_grad_recv(self._flight[0])   # before this send: see the comment above
         first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
         link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
@@ -126,13 +144,16 @@ class Bridge:
             header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
                                   dtype=torch.int64, device=rows.device)
             ops += [(dist.isend, header, ln.dst_leader, TAG_HEADER), (dist.isend, chunk, ln.dst_leader, TAG_PAYLOAD)]
-        self._flight.append([rows, splits, self._post(ops), None])
+        for op in ops if self.defer else ():   # posted with this rank's receives of the micro-batch (recv)
+            self._later[op[3]].append(op)
+        self._flight.append([rows, splits, [] if self.defer else self._post(ops), None])
         self.sent += 1
 
-    def _post_grad_recv(self, entry):
-        rows, splits = entry[0], entry[1]
-        parts = [rows.new_empty(n, rows.shape[1]) for n in splits]
-        return parts, self._post([(dist.irecv, p, ln.dst_leader, TAG_GRAD) for ln, p in zip(self.out_links, parts)])
+    def _post_grad_recv(self, entry, post=True):
+        """(the gradient slices of the micro-batch's links, their receives: posted, or with post=False the ops)."""
+        parts = [entry[0].new_empty(n, entry[0].shape[1]) for n in entry[1]]
+        ops = [(dist.irecv, p, ln.dst_leader, TAG_GRAD) for ln, p in zip(self.out_links, parts)]
+        return parts, self._post(ops) if post else ops
 
     def backward_encoder(self):
         """For the oldest microbatch in flight: receive d(loss)/d(rows), share it in the lane's tp group, run
@@ -141,9 +162,13 @@ class Bridge:
         assert self._flight, "backward_encoder without send"
         entry = self._flight.pop(0)
         rows, send_reqs, recv = entry[0], entry[2], entry[3]
-        if self.lay.colocated:
+        if self.in_place:
             return None
-        if self.out_links:                     # leader: one slice per link, concatenated in link (= sample) order
+        if self.defer:                         # this rank's gradient sends of it too, in one batch
+            parts, ops = self._post_grad_recv(entry, post=False) if self.out_links else ([], [])
+            self._exchange(TAG_GRAD, ops)
+            grad = torch.cat(parts) if self.out_links else rows.new_empty(rows.shape)
+        elif self.out_links:                   # leader: one slice per link, concatenated in link (= sample) order
             parts, recv_reqs = recv if recv is not None else self._post_grad_recv(entry)
             for r in send_reqs + recv_reqs:
                 r.wait()
@@ -168,26 +193,27 @@ class Bridge:
         """This language lane's rows [R_lane, D] (a leaf requiring grad, identical on every tp rank) and the row
         count of each of its micro_batch samples."""
         assert self._x is None, "bridge.recv twice without send_grad"
-        if self.lay.colocated:
+        if self.in_place:
             (rows, counts), self._pass = self._pass, None
             self.received += 1
             return rows, counts
         if self.in_links:                      # leader: all headers, then all payloads, links in lane order
             headers = [torch.empty(4 + len(ln.samples), dtype=torch.int64, device=self.device) for ln in self.in_links]
-            for r in self._post([(dist.irecv, h, ln.src_leader, TAG_HEADER)
-                                 for ln, h in zip(self.in_links, headers)]):
-                r.wait()
+            self._exchange(TAG_HEADER, [(dist.irecv, h, ln.src_leader, TAG_HEADER)
+                                        for ln, h in zip(self.in_links, headers)])
             flat = torch.cat(headers).cpu()                                 # one device->host copy for all links
             heads = [h.tolist() for h in flat.split([len(h) for h in headers])]
             assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
             code, hidden = heads[0][1], heads[0][3]
             parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
-            for r in self._post([(dist.irecv, p, ln.src_leader, TAG_PAYLOAD)
-                                 for ln, p in zip(self.in_links, parts)]):
-                r.wait()
+            self._exchange(TAG_PAYLOAD, [(dist.irecv, p, ln.src_leader, TAG_PAYLOAD)
+                                         for ln, p in zip(self.in_links, parts)])
             x = torch.cat(parts)
             self._splits = [h[2] for h in heads]
             head = [self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]]
+        elif self.defer:                       # not a language leader: this rank's sends of the micro-batch
+            self._exchange(TAG_HEADER, [])
+            self._exchange(TAG_PAYLOAD, [])
         lane = self.par.lm.tp_cp
         if dist.get_world_size(lane) > 1:      # the leader shares header and payload with its tp and cp partners
             if self.in_links:
@@ -207,14 +233,17 @@ class Bridge:
         """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none),
         summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp ranks agree)."""
         x, self._x = self._x, None
-        if self.lay.colocated:
+        if self.in_place:
             return
         assert x is not None, "send_grad without recv"
         m = self.par.lm
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         if m.cp_size > 1 and m.tp_rank == 0:
             dist.reduce(grad, dst=self.lm_leader, group=m.cp)
-        if self.in_links:
-            for r in self._post([(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
-                                 for ln, g in zip(self.in_links, grad.detach().split(self._splits))]):
+        ops = [(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
+               for ln, g in zip(self.in_links, grad.detach().split(self._splits) if self.in_links else [])]
+        if self.defer:   # posted with this rank's gradient receives (backward_encoder)
+            self._later[TAG_GRAD] += ops
+        else:
+            for r in self._post(ops):
                 r.wait()

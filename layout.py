@@ -1,30 +1,13 @@
 """The run's layout: the sizes of both grids (docs/parallel.md §1, §4), their validation and the choice
 of a layout when the command line names none. Pure: runs before init_process_group, and for --dry-run without it.
 
-Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank (parallel.py builds
-the grids and groups).
+Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank, with the same lanes
+(in place) or each its own (parallel.py builds the grids and groups).
 
-The choice (plan() given a rank's memory, no grid flag given; docs/layouts.md §1): the preset's reference layout if
-it fits (memory.required), else the colocated layout that fits and moves the fewest bytes per rank per step, cp
-only where nothing without it fits. Fitting comes first because a layout that does not fit does not run; among
-those that do, communication is what the layout changes (the FLOPs per rank are the same, except that the cp ranks
-of a colocated lane encode the same images, work the byte count does not see: hence cp last). The cost model counts
-what one rank sends, with ring collectives: an all-reduce of B bytes over g ranks sends 2 (g-1)/g B, an all-gather,
-reduce-scatter or all-to-all (g-1)/g B. With T = micro_batch x seq_len tokens, S the tower's tokens of a
-micro-batch (memory.py's counts) and a layer pass = forward, backward, and under --activation-checkpointing the
-recomputed forward:
-  language tp   per micro-batch and layer pass an all-reduce of the T x D bf16 activation (an MoE layer: its
-                shared expert's, and an all-gather of its routed rows); the embedding's and lm_head's, one each
-  ep, etp       per micro-batch and MoE layer pass the dispatch and combine all-to-all of the T k / tp routed rows
-                over ep, and with etp > 1 those rows sent to the etp - 1 others and back
-  language cp   per micro-batch and attention layer pass this rank's K and V to the cp - 1 others (the backward:
-                their gradients back), per Mamba layer pass the all-to-alls of its in_proj rows to head-sharded whole
-                rows and of its output back (docs/cp.md); the tp terms above count this rank's T / cp tokens
-  vision tp     per micro-batch two all-reduces of the S x C activation per block forward, two backward when the
-                tower trains
-  dp            per step the trained parameters' fp32 gradient reduce-scatter and weight all-gather (bf16 on CUDA)
-                over their domain (vision dp, language dp x cp, edp); plain AdamW: an fp32 all-reduce
-Bandwidths, latency and overlap are left out: the model ranks layouts, it does not time them.
+The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout if it fits
+(memory.required), else the colocated layout that fits and moves the fewest bytes per rank per step (bytes_moved),
+cp only where nothing without it fits. Fitting comes first because a layout that does not fit does not run; among
+those that do, communication is what the layout changes. The byte count, term by term: docs/layouts.md §1.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -53,8 +36,15 @@ class Layout:
     lm_pp: int = 1
 
     @property
+    def in_place(self):
+        """Colocated with the same lanes on both modules (vision tp and dp those of the language model): the bridge
+        hands the rows over in memory, and the cp ranks of a lane encode the same images (vision cp = lm cp).
+        Colocated otherwise, each module has its own lanes on the shared ranks and rows travel between them."""
+        return self.colocated and (self.vision_tp, self.vision_dp) == (self.lm_tp, self.lm_dp)
+
+    @property
     def vision_cp(self):
-        return self.lm_cp if self.colocated else 1
+        return self.lm_cp if self.in_place else 1
 
     @property
     def vision_size(self):
@@ -104,10 +94,6 @@ def check_layout(lay, cfg):
     if lay.colocated:
         if lay.vision_size != lay.world or lay.lm_size != lay.world:
             errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
-        if (lay.vision_tp, lay.vision_dp) != (lay.lm_tp, lay.lm_dp):
-            errors.append(f"colocated layout needs vision tp/dp == language tp/dp (vision tp{lay.vision_tp} dp"
-                          f"{lay.vision_dp}, language tp{lay.lm_tp} dp{lay.lm_dp}): moving encoder rows between "
-                          "different colocated shapes is not implemented; use a hetero layout")
     elif lay.vision_size + lay.lm_size != lay.world:
         errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
     sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay) if f.name not in ("world", "colocated")}
@@ -154,8 +140,6 @@ def check_layout(lay, cfg):
             errors.append(f"{kind} {size} does not divide {name} {n} (--{config.flag(kind)} "
                           f"{config.nearest_divisors((n,), size, lay.world)} would)")
     vdp, ldp, spm = lay.vision_dp, lay.lm_dp, lay.samples_per_microbatch
-    if max(vdp, ldp) % min(vdp, ldp):
-        errors.append(f"vision dp {vdp} and language dp {ldp} must divide one another (bridge fan-in / fan-out)")
     if spm % vdp:
         fix = next(m for m in range(lay.micro_batch + 1, vdp * lay.micro_batch + 1) if m * ldp % vdp == 0)
         errors.append(f"micro_batch {lay.micro_batch} x language dp {ldp} = {spm} samples per microbatch do not "
@@ -207,7 +191,7 @@ def named(cfg, world, given):
     if colocated:
         s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
         s["lm_dp"] = s["lm_dp"] or world // (s["lm_tp"] * s["lm_cp"])
-        s["vision_dp"] = s["vision_dp"] or world // (s["vision_tp"] * s["lm_cp"])
+        s["vision_dp"] = s["vision_dp"] or (s["lm_dp"] if s["vision_tp"] == s["lm_tp"] else world // s["vision_tp"])
     elif s["vision_dp"] is None and s["lm_dp"] is None:
         raise SystemExit("bad parallel layout: a hetero layout needs --vision-dp or --lm-dp (the other is derived "
                          "from WORLD_SIZE)")

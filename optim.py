@@ -23,11 +23,7 @@ does), so the sum over micro-batches is fp32 whatever the weights' dtype. finish
                       uses): one pass over the fp32 gradients fewer than a multiply before the step
 step(): torch AdamW on the shards (elementwise: the same numbers as unsharded AdamW), then the updated shards are
 all-gathered into the model's weights.
-Weights, a policy (fp32_weights): sharded on CUDA they are bf16 (2 bytes, no autocast cast a micro-batch): 2 + 4 +
-12 / dp bytes. A one-shard bucket whose weights stay fp32 makes them views of its main weights (no second fp32
-copy, nothing to gather): replicated always, sharded on the CPU at dp 1, and on CUDA for routed experts at edp 1
-under --activation-checkpointing (their bf16 casts, made in moe.grouped_mm, are dropped after each layer and
-recomputed: 16 bytes instead of 18, the same numbers). Frozen weights are bf16 on CUDA when sharded.
+Weights (weight_dtypes, fp32_weights; docs/memory.md §2): bf16 on CUDA when sharded, frozen ones too.
 Checkpoints: one per-parameter format (checkpoint.py; gather_state, load), so a run resumes into any dp and either
 mode, each parameter's state whatever else shares its bucket (_split_by_age: AdamW counts steps per bucket).
 """
@@ -56,7 +52,9 @@ def build(par, vision, lm, cfg, device):
 
 
 def fp32_weights(sharded, domain_size, expert, cuda, checkpointing):
-    """Whether trained weights stay fp32 as views of their main weights (see the module docstring)."""
+    """Whether trained weights stay fp32 as views of their main weights: replicated always; sharded, a one-shard
+    bucket on the CPU, or on CUDA routed experts at edp 1 under --activation-checkpointing (their bf16 casts, made
+    in moe.grouped_mm, are recomputed per layer: 16 bytes instead of 18, the same numbers)."""
     return not sharded or (domain_size == 1 and (not cuda or (expert and checkpointing)))
 
 

@@ -54,8 +54,8 @@ class Grid:
 
 
 def vision_grid(lay):
-    """Colocated, the language grid's cp too: the cp ranks of a lane encode the same images, so each holds the
-    rows its positions need and the tower's gradient is summed over dp-cp like the language model's."""
+    """In place (Layout.in_place), the language grid's cp too: the cp ranks of a lane encode the same images, so
+    each holds the rows its positions need and the tower's gradient is summed over dp-cp like the language model's."""
     return Grid({"tp": lay.vision_tp, "cp": lay.vision_cp, "dp": lay.vision_dp, "pp": 1}, offset=0)
 
 
@@ -203,9 +203,9 @@ def setup(lay, cfg=None):
     fill(par.vision, "vision", vgrid, VISION_GROUPS)
     fill(par.lm, "lm", lgrid, LM_GROUPS)
     fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates
-    if not lay.colocated:
-        # the lane broadcast groups (docs/parallel.md §6) are vision tp (hetero: vision cp = 1) and language tp-cp
-        # here (pp = 1), created above
+    if not lay.in_place:
+        # the lane broadcast groups (docs/parallel.md §6) are vision tp (vision cp = 1 here) and language tp-cp
+        # (pp = 1), created above
         leaders = sorted({lane[-1] for lane in lanes(vgrid)} | {lane[0] for lane in lanes(lgrid)})
         par.bridge = create("bridge", [leaders])
     return par

@@ -54,11 +54,10 @@ class Schedule:
                 out.append(parts)
             if not language and stop():
                 break
-        if stop.agreed:
-            if language and not encode and not bridge.lay.colocated:
-                with torch.no_grad():   # the rows the vision side sent before its check
-                    bridge.recv()
-                    bridge.send_grad()
+        if stop.agreed and language and not encode and not bridge.lay.colocated:
+            with torch.no_grad():   # the rows the vision side sent before its check
+                bridge.recv()
+                bridge.send_grad()
         while bridge.in_flight:   # cool-down (after a stop: what the vision side holds)
             bridge.backward_encoder()
         return None if stop.agreed else out

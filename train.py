@@ -171,7 +171,7 @@ def setup(cfg, inv, lay, start, device):
             load_rng=not inv.no_load_rng)
     if start.kind == "resume" and rank == 0 and not inv.eval_only:
         optim.schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
-                        f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
+                                 f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
     return run
 
 

@@ -248,3 +248,21 @@ def test_eval_only_prints_json_last(sharded):
     assert set(result) == {"eval_loss", "eval_ppl", "eval_tokens", "eval_samples"}, result
     assert result["eval_samples"] == train.MOCK_EVAL_SAMPLES and result["eval_tokens"] > 0 and 0 < result["eval_loss"] < 20
     assert abs(result["eval_ppl"] - math.exp(result["eval_loss"])) <= 1e-9 * result["eval_ppl"]
+
+
+@pytest.mark.slow
+def test_resume_across_the_three_kinds_of_layout(tmp_path):
+    """Saved after 2 steps on 4 shared ranks where each module has its own lanes (vision dp4, language tp2 dp2
+    ep2), step 3 runs on the same layout, a hetero one and an in-place colocated one: each equals the 3-step run
+    that never stopped (loss to 1e-5; other reduction orders, not bit-exact)."""
+    argv = TINY + ["--global-batch", "4", "--micro-batch", "2"]
+    shared = ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2", "--lm-dp", "2", "--lm-ep", "2"]
+    save = str(tmp_path / "shared")
+    straight = run_distributed(_train, 4, argv + shared + ["--steps", "3"])[0][0]
+    run_distributed(_train, 4, argv + shared + ["--steps", "2", "--save", save])
+    for name, flags in (("shared", shared), ("hetero", ["--vision-tp", "2", "--vision-dp", "1", "--lm-dp", "2"]),
+                        ("in place", ["--colocated", "--lm-tp", "2", "--lm-ep", "2"])):
+        ranks = run_distributed(_train, 4, argv + flags + ["--steps", "3", "--load", save, "--save",
+                                                           str(tmp_path / ("to-" + name.replace(" ", "-")))])
+        (loss,) = {h[0] for h, _ in ranks if h[0] is not None}
+        assert abs(loss - straight[2]) < 1e-5, (name, loss, straight)

@@ -118,8 +118,12 @@ def test_worked_example_c():
     assert vision_grid(lay).groups("dp") == [list(range(8))]
     assert lm_grid(lay).groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lm_grid(lay).groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    with pytest.raises(SystemExit, match="colocated layout needs vision tp/dp == language tp/dp"):
-        check_layout(lay, BIG)   # C is a valid grid pair, but the bridge cannot redistribute between its shapes
+    assert not lay.in_place and lay.vision_cp == 1      # each module its own lanes on the shared ranks
+    with pytest.raises(SystemExit, match="4 samples per microbatch do not split evenly over vision dp 8"):
+        check_layout(lay, BIG)
+    lay = dataclasses.replace(lay, micro_batch=2, global_batch=8)
+    check_layout(lay, BIG)   # the bridge moves rank e's rows to the leader of language lane e // 2, itself or not
+    assert [(ln.src_leader, ln.dst_leader) for ln in bridge_links(lay)] == [(e, e // 2 * 2) for e in range(8)]
 
 
 def test_canonical_order():
@@ -241,11 +245,12 @@ def test_validation_messages():
         (hetero(3, 1, 1, 1), TINY, "vision_tp 3 does not divide vit_heads 4"),
         (hetero(1, 2, 1, 3, ep=3), TINY, "lm_ep 3 does not divide n_routed_experts 8"),
         (hetero(1, 1, 2, 1, ep=4), TINY, "is not divisible by etp1 x ep4 x pp1 = 4"),
-        (hetero(1, 3, 1, 2), TINY, "vision dp 3 and language dp 2 must divide one another"),
+        (hetero(1, 3, 1, 2), TINY, "micro_batch 1 x language dp 2 = 2 samples per microbatch do not split evenly "
+         "over vision dp 3 (--micro-batch 3 would)"),
         (hetero(1, 4, 1, 2), TINY, "micro_batch 1 x language dp 2 = 2 samples per microbatch do not split evenly"),
         (hetero(1, 2, 1, 2, mbs=2, gb=6), TINY, "global_batch 6 is not divisible by micro_batch 2 x language dp 2"),
-        (Layout(4, True, 1, 4, 2, 2, micro_batch=1, global_batch=2), TINY,
-         "colocated layout needs vision tp/dp == language tp/dp"),
+        (Layout(4, True, 1, 2, 2, 2, micro_batch=1, global_batch=2), TINY,
+         "colocated layout: vision 2 (tp1 x dp2) and language 4 (tp2 x cp1 x dp2 x pp1) must both equal WORLD_SIZE 4"),
         (Layout(4, True, 1, 2, 1, 2, micro_batch=1, global_batch=2), TINY,
          "colocated layout: vision 2 (tp1 x dp2) and language 2 (tp1 x cp1 x dp2 x pp1) must both equal WORLD_SIZE 4"),
         (dataclasses.replace(hetero(1, 1, 1, 2), lm_pp=2, world=5), TINY, "supports pp = 1 only"),
@@ -384,7 +389,7 @@ def _check_bridge(rank, world, layouts, n_micro=3):
         def encoder_backward(m, counts, base, weight, rows):
             grad = bridge.backward_encoder()
             expect = torch.cat([_grads(m, i, counts[i]) for i in own["vision"]])
-            if lay.colocated:
+            if lay.in_place:
                 assert grad is None
             else:
                 assert torch.equal(grad, expect)                      # same on every encoder tp rank
@@ -421,7 +426,7 @@ def _check_bridge(rank, world, layouts, n_micro=3):
             encoder_backward(*pending.pop(0))
         assert bridge.in_flight == 0
         dist.all_reduce(inner)
-        if not lay.colocated:
+        if not lay.in_place:
             assert abs(inner[0] - inner[1]) < 1e-9 * max(1.0, abs(inner[0].item())), inner   # adjointness
             assert inner[0] != 0
         if par.in_lm:
@@ -436,8 +441,17 @@ def test_bridge_world4():
     layouts = [hetero(1, 2, 1, 2, mbs=2),      # 1:1
                hetero(1, 1, 1, 3, mbs=2),      # fan-out k=3
                hetero(1, 2, 2, 1, mbs=2),      # fan-in k=2 into language tp2
-               colocated(2, 2, mbs=2)]         # identity
+               colocated(2, 2, mbs=2),         # identity
+               # shared ranks, each module its own lanes: rows move between leaders, or stay on a rank leading both
+               Layout(4, True, 1, 4, 2, 2, micro_batch=2, global_batch=12),
+               Layout(4, True, 2, 2, 1, 4, micro_batch=1, global_batch=12)]
     assert len(run_distributed(_check_bridge, 4, layouts)) == 4
+
+
+def test_bridge_uneven_world5():
+    layouts = [hetero(1, 2, 1, 3, mbs=2),      # vision lane 0 feeds language lanes 0 and 1, lane 1 lanes 1 and 2
+               hetero(1, 3, 1, 2, mbs=3)]      # and the other way round
+    assert len(run_distributed(_check_bridge, 5, layouts)) == 5
 
 
 def test_bridge_world6():

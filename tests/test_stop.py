@@ -65,6 +65,23 @@ def test_sighup_mid_evaluation_saves_the_step_and_resumes_exactly(tmp_path, capf
         assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
 
 
+@pytest.mark.slow
+def test_sigterm_mid_step_on_shared_ranks_resumes_exactly(tmp_path):
+    """Both modules on 2 ranks, each its own lanes (vision tp2 | language dp2; rank 1 leads the vision lane and
+    language lane 1): SIGTERM at step 2's first micro-batch stops both ranks before its second, the rows and
+    gradient in flight are matched (schedule.py), step 1 is saved, and the resumed run equals the straight one."""
+    save = str(tmp_path / "ckpt")
+    shared = TINY + ["--colocated", "--vision-tp", "2", "--vision-dp", "1", "--lm-dp", "2", "--steps", "3"]
+    first = run_distributed(_signal_at, 2, shared + ["--save", save], signal.SIGTERM, 3)
+    assert [(len(h), status) for h, _, status in first] == [(1, 128 + signal.SIGTERM)] * 2
+    assert _latest(save) == "step_00000001"
+    resumed = run_distributed(_signal_at, 2, shared + ["--load", save], signal.SIGTERM, 0)
+    straight = run_distributed(_signal_at, 2, shared, signal.SIGTERM, 0)
+    for (h, state, status), (h_ref, ref, _) in zip(resumed, straight):
+        assert status == 0 and [x["loss"] for x in h] == [x["loss"] for x in h_ref[1:]]
+        assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
 def test_interrupted_eval_only_is_one_line_and_names_its_data(tmp_path, capfd):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(4)))

@@ -183,6 +183,11 @@ LAYOUTS = {  # name: (world, grid flags, language ranks)
     "colocated dp2 ep2": (2, ["--colocated", "--lm-ep", "2"], 2),
     "hetero v-tp2 + lm-tp2-ep2": (4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-dp", "1",
                                       "--lm-ep", "2"], 2),
+    # both modules on every rank, each its own lanes: rows travel between leaders, or stay on a rank leading both
+    "shared v-dp4 + lm-tp2-dp2": (4, ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2",
+                                      "--lm-dp", "2", "--micro-batch", "2"], 4),
+    "shared v-tp2 + lm-dp2-ep2": (2, ["--colocated", "--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1",
+                                      "--lm-dp", "2", "--lm-ep", "2"], 2),
 }
 
 
@@ -193,6 +198,17 @@ def test_one_step_matches_one_process(name, reference):
     results = run(ONE_STEP + flags, world)
     assert sum(h[0]["loss"] is not None for h, _, _ in results) == lm_ranks
     assert_step_matches(results, reference, name)
+
+
+@pytest.mark.slow
+def test_an_uneven_split_matches_one_process():
+    """vision dp 2 | language dp 3 on 5 ranks (neither divides the other): vision lane 0 feeds language lanes 0 and
+    1, lane 1 lanes 1 and 2."""
+    argv = ONE_STEP + ["--global-batch", "6"]
+    (ref,) = run(argv, 1)
+    results = run(argv + ["--vision-dp", "2", "--lm-dp", "3", "--micro-batch", "2"], 5)
+    assert sum(h[0]["loss"] is not None for h, _, _ in results) == 3
+    assert_step_matches(results, ref, "uneven 2 | 3")
 
 
 # ---------------------------------------------------------------- 3. text-only samples: 0-row payloads (docs/parallel.md §6)
@@ -497,7 +513,7 @@ def test_bad_grid_exits_with_the_layout_message(monkeypatch):
         train.main(["--preset", "tiny", "--vision-dp", "3", "--lm-dp", "2"])
     msg = str(e.value)
     assert msg.startswith("bad parallel layout"), msg
-    assert "!= WORLD_SIZE 4" in msg and "must divide one another" in msg, msg
+    assert "!= WORLD_SIZE 4" in msg and "do not split evenly over vision dp 3" in msg, msg
     with pytest.raises(SystemExit) as e:
         train.main(["--preset", "tiny", "--global-batch", "5"])        # reference layout: lm dp 2
     assert "global_batch 5 is not divisible" in str(e.value)

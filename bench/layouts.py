@@ -30,6 +30,10 @@ CONFIGS = {   # name: (GPUs, train.py arguments); stage 3 runs the hetero layout
     "20l-stage2-chosen": (4, L20),
     **{f"20l-stage3-{k}": (4, L20 + v + ["--stage", "3"]) for k, v in HETERO.items()},
     "20l-stage3-chosen": (4, L20 + ["--stage", "3"]),
+    # the 80 GB chooser's language layout (tp2 dp2 ep4) with the tower in place (tp2 dp2) or its own lanes (dp4)
+    "20l-stage3-inplace-tp2ep4": (4, L20 + ["--colocated", "--lm-tp", "2", "--lm-ep", "4", "--stage", "3"]),
+    "20l-stage3-shared-vdp4-ltp2ep4": (4, L20 + ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp",
+                                                 "2", "--lm-ep", "4", "--micro-batch", "2", "--stage", "3"]),
 }
 
 

@@ -286,9 +286,9 @@ def train_step(run, step, stop, first=False):
     mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts]) / max(n, 1)   # logged apart, per depth
            for d, n in enumerate(n_mtp)]
     # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
-    flops = sum(vlm.flops(cfg, ours[side], side.replace("lm", "language"), tower_trains) for side, m, tower_trains
-                in (("vision", par.vision, run.vision is not None and model.tower_trains(run.vision)),
-                    ("lm", par.lm, True)) if m is not None and m.lane_lead)
+    flops = sum(vlm.flops(cfg, ours[side], side, trains) for side, m, trains in (
+        ("vision", par.vision, run.vision is not None and model.tower_trains(run.vision)), ("lm", par.lm, True))
+        if m is not None and m.lane_lead)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return {"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr, "ok": ok,

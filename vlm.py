@@ -72,9 +72,9 @@ def loss(vision, lm, samples, cfg):
 
 
 def flops(cfg, samples, side, tower_trains=True):
-    """Training FLOPs of the samples on `side` ("vision": tower + projector, a frozen tower forward only;
-    "language": the decoder over the whole rows, padding included). Formulas: model.py."""
-    if side == "language":
+    """Training FLOPs of the samples on `side` ("vision": tower + projector, a frozen tower forward only; "lm": the
+    decoder over the whole rows, padding included). Formulas: model.py."""
+    if side == "lm":
         return sum(len(s.input_ids) for s in samples) * model.lm_flops_per_token(cfg, cfg.seq_len)
     p = cfg.vit_patch
     items = [(i.shape[1] // p, i.shape[2] // p, i.shape[0] // 3) for s in samples for i in s.images]

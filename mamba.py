@@ -40,6 +40,8 @@ class Mamba2Mixer(nn.Module):
         d_in_full, gn_full = H * P, G * N
         self.in_proj = nn.Linear(cfg.hidden_size, 2 * self.d_inner + 2 * self.ngroups * N + self.nheads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=True)
+        # the CUDA kernels read the conv channels 8 at a time and take conv widths 2 to 4 (causal_conv1d)
+        self.kernels = self.conv_dim // comm.group_size(cp_group) % 8 == 0 and cfg.conv_kernel <= 4
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.D = nn.Parameter(torch.empty(self.nheads))
@@ -58,10 +60,7 @@ class Mamba2Mixer(nn.Module):
         u_BMD = comm.copy_to(u_BMD, self.tp_group)
         GN = self.ngroups * self.dstate
         zxbcdt = cp.to_heads(self.in_proj(u_BMD), [self.d_inner, self.d_inner, GN, GN, self.nheads], self.cp_group)
-        if zxbcdt.is_cuda and (self.d_inner + 2 * GN) // comm.group_size(self.cp_group) % 8 == 0:
-            y = self._kernel_path(zxbcdt, seq_idx)   # (causal_conv1d reads its channels 8 at a time)
-        else:
-            y = self._reference_path(zxbcdt, seq_idx)
+        y = (self._kernel_path if zxbcdt.is_cuda and self.kernels else self._reference_path)(zxbcdt, seq_idx)
         return comm.reduce_from(self.out_proj(cp.to_positions(y, self.cp_group)), self.tp_group)
 
     def _heads(self):
@@ -94,8 +93,7 @@ class Mamba2Mixer(nn.Module):
 
     def _kernel_path(self, zxbcdt, seq_idx):
         conv_w, conv_b, dt_bias, A_log, D, norm_w, _, G = self._heads()
-        if seq_idx is not None:
-            seq_idx = seq_idx.to(torch.int32).contiguous()
+        seq_idx = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
         W = zxbcdt.shape[-1]
         if W % 8:   # causal_conv1d's channels-last input needs row strides in multiples of 8: a padded row's view
             zxbcdt = F.pad(zxbcdt, (0, -W % 8))[..., :W]

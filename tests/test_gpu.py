@@ -51,14 +51,16 @@ def test_mamba_kernel_matches_reference_fp32(packed):
 
 
 @cuda
-@pytest.mark.parametrize("heads,head_dim,groups,state", [(12, 16, 3, 16), (5, 3, 1, 4)], ids=["row492", "conv23"])
-def test_mamba_odd_widths_gpu_match_cpu(heads, head_dim, groups, state):
+@pytest.mark.parametrize("heads,head_dim,groups,state,conv", [(12, 16, 3, 16, 4), (5, 3, 1, 4, 4), (8, 16, 2, 16, 5)],
+                         ids=["row492", "conv23", "width5"])
+def test_mamba_odd_widths_gpu_match_cpu(heads, head_dim, groups, state, conv):
     """Widths the kernels' layout rules reject: an in_proj row of 492 (not a multiple of 8, as a tiny Omni's 12
     heads x 8 give 300; head dim 16 keeps the kernels at the tiny preset's tuned shapes, tuned.py) goes to the
-    kernel as a padded row's view; 23 conv channels (the conv kernel reads 8 at a time) take the reference path on
-    CUDA. Both == the CPU, values and gradients (fp32), packed rows."""
+    kernel as a padded row's view; 23 conv channels (the conv kernel reads 8 at a time) and a conv width of 5
+    (causal_conv1d takes 2 to 4) take the reference path on CUDA. All == the CPU, values and gradients (fp32),
+    packed rows."""
     cfg = config.resolve("tiny", dict(mamba_num_heads=heads, mamba_head_dim=head_dim, n_groups=groups,
-                                      ssm_state_size=state))
+                                      ssm_state_size=state, conv_kernel=conv))
     holder = torch.nn.Module()
     holder.mixer = Mamba2Mixer(cfg)
     model.init_weights(holder, 0, {}, cfg)

@@ -29,7 +29,6 @@ import re
 import shlex
 import subprocess
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -107,8 +106,7 @@ def as_trained(module, dev):
     process group (the norm's all-reduce): one of this process alone, unless there is one."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    one_rank = types.SimpleNamespace(vision=None, lm=parallel.ModuleGroups("lm"))
-    return optim.build(one_rank, None, module, config.Config(lr=1e-5, weight_decay=0.1), dev)
+    return optim.build(parallel.one_device(), None, module, config.Config(lr=1e-5, weight_decay=0.1), dev)
 
 
 def lm_fwd_bwd(cfg, batch, dev, with_step=False):

@@ -150,7 +150,7 @@ class Parallel:
 
 
 def one_device():
-    """Both modules in one process without process groups: init.build and vlm.loss on one device."""
+    """Both modules in one process without process groups: init.build, vlm.loss, bench.py on one device."""
     return Parallel(0, None, ModuleGroups("vision"), ModuleGroups("lm"))
 
 

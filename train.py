@@ -185,7 +185,7 @@ def datasets(cfg, tokenizer, verbose):
     return train_data, mock.MockData(cfg, cfg.seed + 1)
 
 
-def lane_samples(run, ds, first, side):
+def lane_share(run, ds, first, side):
     """This rank's data lane's samples ("vision" or "lm" `side`) of the micro-batch that starts at sample `first`."""
     m = run.par.vision if side == "vision" else run.par.lm
     return [ds[first + i] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
@@ -251,7 +251,7 @@ def train_step(run, step, stop, first=False):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
 
     def samples(k, side):
-        return lane_samples(run, batch, base + k * spm, side)
+        return lane_share(run, batch, base + k * spm, side)
     ours = {side: [s for k in range(n_micro) for s in samples(k, side)] if held else []
             for side, held in (("vision", run.vision is not None), ("lm", lm is not None))}
     depths = model.mtp_depths(cfg)
@@ -308,7 +308,7 @@ def evaluate(run, stop, first=False):
         if k not in loaded:
             loaded.clear()
             loaded[k] = run.eval_loader.step(k * spm, 1)
-        return lane_samples(run, loaded[k], k * spm, side)
+        return lane_share(run, loaded[k], k * spm, side)
     for m in run.modules.values():
         m.eval()
     with torch.no_grad():

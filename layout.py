@@ -4,15 +4,16 @@ of a layout when the command line names none. Pure: runs before init_process_gro
 Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on every rank, with the same lanes
 (in place) or each its own (parallel.py builds the grids and groups).
 
-The choice (plan() given a rank's memory, no grid flag given): the preset's reference layout if it fits
-(memory.required), else the colocated layout that fits and moves the fewest bytes per rank per step (bytes_moved),
-cp only where nothing without it fits. Fitting comes first because a layout that does not fit does not run; among
-those that do, communication is what the layout changes. The byte count, term by term: docs/layouts.md §1.
+The choice (plan() given a rank's memory, no grid flag given): of the candidates (candidates(): in place,
+each module its own lanes, hetero) whose plan fits (memory.required), the one cost.py predicts the fastest step
+for, cp only where nothing without it fits. Fitting comes first because a layout that does not fit does not run;
+among those that do, the step time is what a user wants. The model and how far it holds: docs/layouts.md §1.
 """
 import dataclasses
 from dataclasses import dataclass
 
 import config
+import cost
 import memory
 
 MAX_WORLD = 1024    # the largest world size remedy() tries
@@ -73,6 +74,22 @@ class Layout:
     @property
     def num_microbatches(self):         # counted from language dp, identical on both grids (docs/parallel.md §7)
         return self.global_batch // self.samples_per_microbatch
+
+    @property
+    def kind(self):
+        return "in place" if self.in_place else "own lanes" if self.colocated else "hetero"
+
+    def brief(self):
+        """One short line: the kind, each grid's sizes, a micro-batch other than 1."""
+        lm = f"tp{self.lm_tp}" + "".join(f" {k}{v}" for k, v in (("cp", self.lm_cp), ("dp", self.lm_dp),
+                                                                  ("ep", self.lm_ep), ("etp", self.lm_etp)) if v > 1)
+        mbs = f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else ""
+        if self.in_place:
+            return f"in place: {lm}{mbs}"
+        vision = f"vision tp{self.vision_tp}" + (f" dp{self.vision_dp}" if self.vision_dp > 1 else "")
+        if self.colocated:
+            return f"own lanes: {vision} | language {lm}{mbs}"
+        return f"hetero: {vision} on {self.vision_size} | language {lm} on {self.lm_size}{mbs}"
 
     def describe(self):
         cp = f" x cp{self.vision_cp}" if self.vision_cp > 1 else ""
@@ -210,16 +227,31 @@ def reference(cfg, world):
         if world == ref_world else None
 
 
-def candidates(cfg, world):
-    """The valid layouts the chooser weighs on `world` ranks: the reference layout first, where there is one, then
-    the colocated layouts (one tp and cp for both modules, ep x etp over all ranks, dp the rest)."""
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    colocated = [Layout(world=world, colocated=True, vision_tp=tp, vision_dp=world // (tp * cp), lm_tp=tp,
-                        lm_dp=world // (tp * cp), lm_ep=ep, lm_etp=etp, micro_batch=cfg.micro_batch,
-                        global_batch=cfg.global_batch, lm_cp=cp)
-                 for tp in divisors for cp in divisors for ep in divisors for etp in divisors
-                 if world % (tp * cp) == 0 and world % (ep * etp) == 0]
-    return [lay for lay in [reference(cfg, world)] + colocated if lay and valid(lay, cfg)]
+def candidates(cfg, world, apart=True):
+    """The valid layouts the chooser weighs on `world` ranks: the reference layout where there is one; colocated in
+    place (one tp and cp for both modules, ep x etp over all ranks, dp the rest); each module its own lanes on the
+    shared ranks (the tower's own tp beside each in-place language grid without cp); hetero (the tower on the first
+    V ranks, any V, the language model on the rest, its tp and ep). tp stays within a node beyond in place, and a
+    micro-batch that does not split over the vision lanes is raised to the smallest that does. apart=False: the
+    reference and in place only (remedy()'s search over world sizes: thousands of splits at each)."""
+    def divisors(n, most=None):
+        return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
+
+    def split(colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep=1, lm_etp=1, lm_cp=1):
+        mbs = next((m for m in range(cfg.micro_batch, cfg.global_batch + 1)
+                    if m * lm_dp % vision_dp == 0 and cfg.global_batch % (m * lm_dp) == 0), cfg.micro_batch)
+        return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp)
+
+    node = cost.GPUS_PER_NODE
+    language = [(tp, cp, ep, etp) for tp in divisors(world) for cp in divisors(world) for ep in divisors(world)
+                for etp in divisors(world) if world % (tp * cp) == 0 and world % (ep * etp) == 0]
+    in_place = [split(True, tp, world // (tp * cp), tp, world // (tp * cp), ep, etp, cp)
+                for tp, cp, ep, etp in language]
+    own = [split(True, vtp, world // vtp, tp, world // tp, ep, etp) for tp, cp, ep, etp in language if cp == 1
+           for vtp in divisors(world, node) if vtp != tp and apart]
+    hetero = [split(False, vtp, v // vtp, tp, (world - v) // tp, ep) for v in range(1, world) if apart
+              for vtp in divisors(v, node) for tp in divisors(world - v, node) for ep in divisors(world - v)]
+    return [lay for lay in [reference(cfg, world)] + in_place + own + hetero if lay and valid(lay, cfg)]
 
 
 def valid(lay, cfg):
@@ -231,25 +263,22 @@ def valid(lay, cfg):
 
 
 def choose(cfg, world, capacity, cuda, say, strict):
-    """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why. None fits:
-    SystemExit naming what would (not strict: `say` that, and return the closest)."""
+    """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why (not strict,
+    the dry run: the table of candidates first). None fits: SystemExit naming what would (not strict: `say` that,
+    and return the closest)."""
     plans = {lay: memory.plan(cfg, lay, cuda) for lay in candidates(cfg, world)}
     if not plans:       # nothing valid: the colocated dp layout's errors say why
         return named(cfg, world, {})
-    ref = reference(cfg, world)
-    ref = ref if ref in plans else None   # an invalid reference layout is no candidate
-    fitting = [lay for lay, rows in plans.items() if lay != ref and memory.fits(rows, capacity) is None]
+    fitting = [lay for lay, rows in plans.items() if memory.fits(rows, capacity) is None]
     fitting = [lay for lay in fitting if lay.lm_cp == 1] or fitting   # cp only where it is what fits
-    if ref and memory.fits(plans[ref], capacity) is None:
-        lay, why = ref, "the preset's reference layout"
-    elif fitting:
-        cost = {lay: bytes_moved(cfg, lay, cuda) for lay in fitting}
-        lay = min(fitting, key=lambda c: (cost[c], c.lm_tp, c.lm_cp, c.lm_ep, c.lm_etp))
-        why = (f"of the {len(fitting)} colocated layouts that fit, the one that moves the fewest bytes per rank per "
-               f"step ({cost[lay] / memory.GIB:.2f} GiB)" if len(fitting) > 1 else
-               "the only colocated layout that fits")
-        if ref:
-            why += f"; the preset's reference layout needs {memory.fits(plans[ref], capacity)}"
+    if fitting:
+        ranked = rank(cfg, fitting, cuda)
+        (lay, seconds), runner_up = ranked[0], ranked[1:2]
+        why = (f"the fastest predicted of the {len(fitting)} layouts that fit ({seconds['step']:.2f} s a step"
+               + "".join(f"; the next, {c.brief()}: {s['step']:.2f} s" for c, s in runner_up) + ")")
+        if not strict:
+            for line in table(ranked, plans):
+                say(line)
     else:
         lay = min(plans, key=lambda c: memory.required(plans[c]))
         why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits {capacity / memory.GIB:.1f} "
@@ -260,16 +289,43 @@ def choose(cfg, world, capacity, cuda, say, strict):
         say(why)
         return lay
     peak = max(r["peak"] for r in plans[lay].values())
+    raised = (f"; micro-batch {lay.micro_batch}, not {cfg.micro_batch}, so that a micro-batch's samples split over "
+              f"the {lay.vision_dp} vision lanes" if lay.micro_batch != cfg.micro_batch else "")
     say(f"layout: {lay.describe()}; planned peak {peak / memory.GIB:.1f} GiB per rank of {capacity / memory.GIB:.1f} "
-        f"GiB; {why}")
+        f"GiB; {why}{raised}")
     return lay
+
+
+def rank(cfg, layouts, cuda=True):
+    """[(layout, cost.step_seconds)] fastest first; a tie goes to in place, then own lanes, then the smaller sizes."""
+    kinds = ("in place", "own lanes", "hetero")
+    seconds = {lay: cost.step_seconds(cfg, lay, cuda) for lay in layouts}
+    return sorted(seconds.items(), key=lambda it: (round(it[1]["step"], 6), kinds.index(it[0].kind), it[0].lm_tp,
+                                                   it[0].lm_cp, it[0].lm_ep, it[0].lm_etp, it[0].vision_tp,
+                                                   it[0].vision_size, it[0].micro_batch))
+
+
+def table(ranked, plans, rows=8):
+    """Lines of the dry run's table: the `rows` fastest candidates that fit and the fastest of each other kind."""
+    kinds = {}
+    for lay, s in ranked:
+        kinds.setdefault(lay.kind, (lay, s))
+    shown = ranked[:rows] + [it for it in kinds.values() if it not in ranked[:rows]]
+    out = [f"layouts that fit, by predicted step time on Hopper GPUs (cost.py; {len(ranked)} fit; the {rows} fastest "
+           "and the fastest of each kind), seconds:",
+           "   step  vision  language  tail  peak GiB  layout"]
+    for lay, s in shown:
+        peak = max(r["peak"] for r in plans[lay].values()) / memory.GIB
+        out.append(f"  {s['step']:5.2f}  {s['vision']:6.3f}  {s['language']:8.3f}  {s['tail']:4.2f}  {peak:8.1f}  "
+                   f"{lay.brief()}")
+    return out
 
 
 def remedy(cfg, world, capacity, cuda):
     """What would make some layout fit, checked by the same plan: --activation-checkpointing if it is off and
     enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would."""
     def fits_somewhere(c, w):
-        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w))
+        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w, apart=False))
 
     if not cfg.activation_checkpointing and fits_somewhere(dataclasses.replace(cfg, activation_checkpointing=True),
                                                            world):
@@ -283,29 +339,3 @@ def remedy(cfg, world, capacity, cuda):
         fixes.append(f"--lora-rank 8 (trains adapters only) would on these {world}")
     return ", or ".join(fixes) if fixes else (f"Nor would any world size up to {MAX_WORLD}: try a smaller preset, "
                                               "--micro-batch or --seq-len")
-
-
-def bytes_moved(cfg, lay, cuda=True):
-    """Bytes one rank of a colocated layout sends per optimizer step, by the module docstring's cost model."""
-    def all_reduce(g):
-        return 2 * (g - 1) / g
-
-    def gather(g):
-        return (g - 1) / g
-
-    T, D, pattern = cfg.micro_batch * cfg.seq_len // lay.lm_cp, cfg.hidden_size, cfg.hybrid_override_pattern
-    passes, moe, tp, cp = (3 if cfg.activation_checkpointing else 2), pattern.count("E"), lay.lm_tp, lay.lm_cp
-    routed = 2 * T * cfg.num_experts_per_tok / tp * D          # one rank's routed rows of an MoE layer, bf16
-    kv = 2 * T * 2 * cfg.num_key_value_heads * cfg.head_dim / tp            # this rank's K and V, bf16
-    mamba = 2 * T * (3 * cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size
-                     + cfg.mamba_num_heads) / tp                            # both all-to-alls' rows
-    language = ((passes * (len(pattern) * all_reduce(tp) + moe * gather(tp)) + 2 * all_reduce(tp)) * 2 * T * D
-                + passes * moe * 2 * (gather(lay.lm_ep) + lay.lm_etp - 1) * routed
-                + passes * (pattern.count("*") * (cp - 1) * kv + pattern.count("M") * gather(cp) * mamba))
-    S, _ = memory.vision_tokens(cfg, lay)
-    vision = ((2 if memory.tower_trains(cfg) else 1) * cfg.vit_depth * 2
-              * all_reduce(lay.vision_tp) * 2 * S * cfg.vit_hidden)
-    weight = 2 if cuda else 4
-    gradients = sum(n * (gather(d) * (4 + weight) if cfg.distributed_optimizer else all_reduce(d) * 4)
-                    for _, _, trained, n, d in memory.local_parameters(cfg, lay) if trained)
-    return lay.num_microbatches * (language + vision) + gradients

@@ -114,7 +114,7 @@ def language_activation_bytes(cfg, lay):
     parallelism a rank holds T / cp tokens, except for attention's gathered whole-row K and V, and the largest
     exchange's send and receive buffers (cp.py) come on top."""
     cp, checkpointing = lay.lm_cp, cfg.activation_checkpointing
-    T, D, tp, etp = cfg.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
+    T, D, tp, etp = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
     d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     K, E, Z = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_latent_size or cfg.hidden_size
@@ -142,16 +142,23 @@ def language_activation_bytes(cfg, lay):
     return saved + (1 + depths) * head + depths * 2 * T * 3 * D + (2 if chunked else 1) * logits + exchange
 
 
-def vision_tokens(cfg, lay):
-    """(tower tokens, projector tokens) of one micro-batch of one vision rank: mock images, one per sample, or, with
-    a video embedder when more, samples whose seq_len holds as many tubelets of a square video's canvas as fit."""
-    samples, side = lay.vision_micro_batch, cfg.mock_image_size // cfg.vit_patch
-    per = side * side + cfg.class_token_len, side * side // 4
+def vision_items(cfg):
+    """The patch grids (h, w, frames) one mock sample brings the tower: its square image, or, with a video embedder
+    when more tokens, as many tubelets of a square video's canvas as its seq_len holds."""
+    side = cfg.mock_image_size // cfg.vit_patch
+    items = [(side, side, 1)]
     if cfg.video_temporal_patch:
         th, tw = video.canvas(1, 1, cfg.video_target_patches)
-        n = cfg.seq_len // (th * tw // 4)
-        per = max(per, (n * (th * tw + cfg.class_token_len), n * th * tw // 4))
-    return samples * per[0], samples * per[1]
+        tubelets = [(th, tw, cfg.video_temporal_patch)] * (cfg.seq_len // (th * tw // 4))
+        items = max(items, tubelets, key=lambda its: sum(h * w for h, w, _ in its))
+    return items
+
+
+def vision_tokens(cfg, lay):
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank (vision_items, a sample each)."""
+    items = vision_items(cfg)
+    per = sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items)
+    return lay.vision_micro_batch * per[0], lay.vision_micro_batch * per[1]
 
 
 def tower_trains(cfg):
@@ -168,19 +175,23 @@ def vision_activation_bytes(cfg, lay):
     if not tower_trains(cfg):
         return projector
     per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
-    # 1F1B keeps the encoder's activations of two micro-batches (forward m + 1 runs before backward m)
-    return 2 * (cfg.vit_depth * per_block + projector)
+    return cfg.vit_depth * per_block + projector
 
 
 def plan(cfg, lay, cuda=True):
     """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
-    both modules on every rank, both kinds the same."""
+    both modules on every rank, both kinds the same. The encoder keeps two micro-batches' activations while a
+    language one's are gone (schedule.py's 1F1B: its forward of k + 1 runs before its backward of k); in place, the
+    language backward runs the encoder's, so it keeps one beside the language model's."""
     rows = parameter_bytes(cfg, lay, cuda)   # setup: apart from the training peak
-    rows["vision"]["activations"] += vision_activation_bytes(cfg, lay)
-    rows["language"]["activations"] += language_activation_bytes(cfg, lay)
+    vision, language = vision_activation_bytes(cfg, lay), language_activation_bytes(cfg, lay)
     if lay.colocated:
         both = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
+        both["activations"] += vision + language if lay.in_place else max(2 * vision, vision + language)
         rows = {"vision": both, "language": dict(both)}
+    else:
+        rows["vision"]["activations"] += 2 * vision
+        rows["language"]["activations"] += language
     for r in rows.values():
         r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"]
     return rows
@@ -212,9 +223,9 @@ def fits(rows, capacity):
     return None
 
 
-def dry_run(cfg, lay, capacity):
+def dry_run(cfg, lay, capacity, predicted):
     """Print the config, the layout, the plan per rank kind (GiB) and whether each kind fits `capacity` bytes per
-    rank, then one JSON line (the last line)."""
+    rank, then one JSON line (the last line); `predicted`: the layout's cost.step_seconds."""
     (total_lm, active_lm), (total_mtp, _) = model.count_language_params(cfg), model.count_language_params(cfg, True)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
@@ -222,12 +233,14 @@ def dry_run(cfg, lay, capacity):
     print(lay.describe())
     rows = plan(cfg, lay)
     opt = "distributed optimizer, bf16 weights" if cfg.distributed_optimizer else "plain AdamW, fp32 weights"
-    print(f"memory plan per rank on CUDA ({opt}; micro-batch {cfg.micro_batch} x seq_len {cfg.seq_len}, "
+    print(f"memory plan per rank on CUDA ({opt}; micro-batch {lay.micro_batch} x seq_len {cfg.seq_len}, "
           f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; setup: the set-up peak, "
           f"the weights and one full-size fp32 draw, over before the first step), GiB:")
     for kind, r in rows.items():
         print(f"  {kind:8s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
+    print(f"predicted on Hopper GPUs (cost.py): {predicted['step']:.2f} s a step (a micro-batch: vision "
+          f"{predicted['vision']:.3f} s, language {predicted['language']:.3f} s; tail {predicted['tail']:.3f} s)")
     print(f"against {capacity / GIB:.1f} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of it, "
           f"the set-up peak {100 * SETUP_SHARE:.0f} %):")
     for kind, r in rows.items():
@@ -239,4 +252,5 @@ def dry_run(cfg, lay, capacity):
                       "layout": lay.describe(),
                       "gib_per_rank": {k: {key: round(v / GIB, 2) for key, v in r.items()} for k, r in rows.items()},
                       "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()},
-                      "capacity_gib": round(capacity / GIB, 2), "fits": fit}))
+                      "capacity_gib": round(capacity / GIB, 2), "fits": fit,
+                      "predicted_s": {k: round(v, 4) for k, v in predicted.items()}}))

@@ -34,6 +34,7 @@ import checkpoint
 import cli
 import comm
 import config
+import cost
 import data
 import failsafe
 import init
@@ -102,7 +103,7 @@ def main(argv=None):
         lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say,
                           strict=not inv.dry_run)
         if inv.dry_run:
-            return memory.dry_run(cfg, lay, capacity)
+            return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay))
         try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
             run = setup(cfg, inv, lay, start, device)
             # signals from here on: every rank stops at the same micro-batch boundary (failsafe.py)

@@ -29,6 +29,7 @@ from tests.spawn import run_distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --lr-decay-iters 6: a 3-step run follows the LR schedule of the 6-step one
 TINY = ["--preset", "tiny", "--global-batch", "2", "--lr-decay-iters", "6"]
+HETERO = TINY + ["--vision-dp", "2", "--lm-dp", "2"]   # 4 ranks: vision 0-1 | language 2-3, tiny's reference layout
 SHARDED = TINY + ["--colocated", "--lm-tp", "2", "--lm-ep", "2"]   # vision tp2 dp2, language tp2 dp2 ep2 edp2
 
 
@@ -57,7 +58,7 @@ def assert_same(a, b):
 
 @pytest.fixture(scope="module")
 def straight():
-    return run_distributed(_train, 4, TINY + ["--steps", "6"])
+    return run_distributed(_train, 4, HETERO + ["--steps", "6"])
 
 
 @pytest.mark.parametrize("mode", ["sync", "async_sigterm"])
@@ -65,11 +66,11 @@ def straight():
 def test_resume_is_bit_exact(tmp_path, straight, mode):
     save = str(tmp_path / "ckpt")
     if mode == "sync":
-        first = run_distributed(_train, 4, TINY + ["--steps", "3", "--save", save, "--save-every", "1",
-                                                   "--keep-last", "2"])
+        first = run_distributed(_train, 4, HETERO + ["--steps", "3", "--save", save, "--save-every", "1",
+                                                     "--keep-last", "2"])
     else:   # a signal during step 3 of a 6-step run: the loop stops after it and saves (in a thread)
-        first = run_distributed(_train, 4, TINY + ["--steps", "6", "--save", save, "--save-every", "2",
-                                                   "--async-save"], 3)
+        first = run_distributed(_train, 4, HETERO + ["--steps", "6", "--save", save, "--save-every", "2",
+                                                     "--async-save"], 3)
     assert sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000002", "step_00000003"]
     assert open(os.path.join(save, "latest")).read().strip() == "step_00000003"
     step_dir = os.path.join(save, "step_00000003")
@@ -88,7 +89,7 @@ def test_resume_is_bit_exact(tmp_path, straight, mode):
         assert counters == meta["counters"]
         assert_same(full, {**first[0][1], **first[2][1]})
 
-    resumed = run_distributed(_train, 4, TINY + ["--steps", "6", "--load", save])   # a fresh process group
+    resumed = run_distributed(_train, 4, HETERO + ["--steps", "6", "--load", save])   # a fresh process group
     for rank in range(4):
         losses, weights = straight[rank]
         assert first[rank][0][:3] + resumed[rank][0] == losses                       # per-step losses, exactly

@@ -32,6 +32,7 @@ from tests.spawn import run_distributed, slow_train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--global-batch", "4", "--lr-decay-iters", "6"]
 HETERO2 = TINY + ["--vision-dp", "1", "--lm-dp", "1"]   # 2 ranks: vision on 0, language on 1; 4 micro-batches a step
+HETERO4 = ["--vision-dp", "2", "--lm-dp", "2"]   # 4 ranks: vision on 0-1, language on 2-3 (tiny's reference)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,11 +133,11 @@ def _signal_mid_step(rank, world, argv):
 @pytest.mark.slow
 def test_signal_on_one_language_rank_stops_all_ranks_async_save(tmp_path):
     save = str(tmp_path / "ckpt")
-    argv = TINY + ["--steps", "3", "--save", save, "--save-every", "1", "--async-save"]
+    argv = TINY + HETERO4 + ["--steps", "3", "--save", save, "--save-every", "1", "--async-save"]
     first = run_distributed(_signal_mid_step, 4, argv)
     assert [len(h) for h, _ in first] == [1] * 4
     assert latest(save) == "step_00000001" and sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000001"]
-    straight = run_distributed(_train, 4, TINY + ["--steps", "3"])
+    straight = run_distributed(_train, 4, TINY + HETERO4 + ["--steps", "3"])
     resumed = run_distributed(_train, 4, argv + ["--load", save])
     for rank in range(4):
         assert_same(resumed[rank][1], straight[rank][1])
@@ -215,7 +216,7 @@ STAGE1 = TINY + ["--steps", "2", "--stage", "1", "--mock-text-only-frac", "0.5",
 @pytest.mark.slow
 def test_stage1_with_text_only_micro_batches_hetero_and_colocated():
     (ref,) = run_distributed(_train, 1, STAGE1)
-    hetero = run_distributed(_train, 4, STAGE1)
+    hetero = run_distributed(_train, 4, STAGE1 + HETERO4)
     colocated_ep = run_distributed(_train, 2, STAGE1 + ["--colocated", "--lm-ep", "2"])
     init = run_distributed(_train, 1, STAGE1 + ["--steps", "0"])[0][1]
     assert any(not torch.equal(ref[1][k], init[k]) for k in ref[1] if k.startswith("vision.mlp1."))

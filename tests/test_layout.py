@@ -1,4 +1,5 @@
-"""layout.py's choice of a layout by memory and bytes moved, checked against memory.plan; its refusals."""
+"""layout.py's choice of a layout by memory and predicted step time (cost.py), checked against memory.plan and
+cost.step_seconds; the cost model by hand; the refusals."""
 import dataclasses
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 import cli
 import config
+import cost
 import layout
 import memory
 
@@ -18,19 +20,17 @@ def dims(lay):
 
 
 def choose(cfg, world, capacity=H100, cuda=True):
-    """plan()'s choice and its one line, checked against every candidate: it fits, and it is the reference layout
-    or no fitting colocated layout moves fewer bytes (a tie goes to the smaller tp, cp, ep, etp; layouts with cp > 1
-    count only when none without fits)."""
+    """plan()'s choice and its one line, checked against every candidate: it fits, and no fitting candidate is
+    predicted faster (layouts with cp > 1 count only when none without fits)."""
     said = []
     lay = layout.plan(cfg, world, capacity, cuda=cuda, say=said.append)
     plans = {c: memory.plan(cfg, c, cuda) for c in layout.candidates(cfg, world)}
     assert memory.fits(plans[lay], capacity) is None
-    if lay != layout.reference(cfg, world):
-        fitting = [c for c, rows in plans.items() if c.colocated and memory.fits(rows, capacity) is None]
-        fitting = [c for c in fitting if c.lm_cp == 1] or fitting                # cp only where nothing else fits
-        key = {c: (layout.bytes_moved(cfg, c, cuda), c.lm_tp, c.lm_cp, c.lm_ep, c.lm_etp) for c in fitting}
-        assert all(key[lay] < key[c] for c in fitting if c != lay)
-    assert len(said) == 1 and lay.describe() in said[0], said
+    fitting = [c for c, rows in plans.items() if memory.fits(rows, capacity) is None]
+    fitting = [c for c in fitting if c.lm_cp == 1] or fitting                    # cp only where nothing else fits
+    step = cost.step_seconds(cfg, lay, cuda)["step"]
+    assert all(step <= cost.step_seconds(cfg, c, cuda)["step"] for c in fitting)
+    assert len(said) == 1 and lay.describe() in said[0] and f"({step:.2f} s a step" in said[0], said
     return lay, plans[lay], said[0]
 
 
@@ -44,47 +44,79 @@ def test_nano_on_8_and_16_ranks():
     lay, rows, said = choose(cfg, 8)
     assert dims(lay) == (True, 2, 4, 2, 4, 8, 1, 1) and lay.lm_edp == 1
     assert peak(rows) == 71.30 and rows["vision"] == rows["language"]     # within 92 % of 79.2 GiB (an H100)
-    assert "planned peak 71.3 GiB per rank of 80.0 GiB" in said and "of the 4 colocated layouts that fit" in said
-    # the others that fit: experts over ep x etp (the same expert bytes a rank) send rows over etp as well; with cp
-    # 2 or 4 in place of dp as many fit again, but cp is weighed only where nothing without it fits
+    assert "planned peak 71.3 GiB per rank of 80.0 GiB" in said and "of the 8 layouts that fit" in said
+    # those that fit: experts over ep x etp (the same expert bytes a rank), or the tower at tp 4 or 8 on its own lanes;
+    # with cp 2 or 4 in place of dp as many fit again, but cp is weighed only where nothing without it fits
     fitting = [c for c in layout.candidates(cfg, 8) if memory.fits(memory.plan(cfg, c), H100) is None]
-    assert sorted((c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == 1) == [(2, 1, 8), (2, 2, 4), (2, 4, 2),
-                                                                                    (2, 8, 1)]
-    assert len(fitting) == 12 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
+    assert sorted((c.kind, c.vision_tp, c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == 1) == [
+        ("in place", 2, 2, 1, 8), ("in place", 2, 2, 2, 4), ("in place", 2, 2, 4, 2), ("in place", 2, 2, 8, 1),
+        ("own lanes", 4, 2, 2, 4), ("own lanes", 4, 2, 4, 2), ("own lanes", 4, 2, 8, 1), ("own lanes", 8, 2, 8, 1)]
+    assert len(fitting) == 16 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
     assert memory.fits(rows, 79.21 * GIB) is None   # an "80 GB" H100's total_memory
     lay, rows, _ = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 42.18
+    assert dims(lay) == (True, 2, 8, 2, 8, 8, 1, 1) and peak(rows) == 55.85
     # tp is 1 or 2 only: tp must divide Nano's 2 KV heads; tp 1 needs cp, as its global batch of 8 has 8 lanes at most
-    assert sorted({(c.lm_tp, c.lm_cp) for c in layout.candidates(cfg, 16)}) == [(1, 2), (1, 4), (1, 8), (2, 1), (2, 2),
-                                                                               (2, 4)]
+    assert sorted({(c.lm_tp, c.lm_cp) for c in layout.candidates(cfg, 16) if c.in_place}) == [
+        (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4)]
 
 
-def test_20l_reference_on_8_ranks_colocated_on_16():
+def test_20l_on_8_and_16_ranks():
+    """The reference layout is a candidate like the others: on 8 ranks colocated in place is predicted faster."""
     cfg = config.resolve("20l")
+    assert layout.reference(cfg, 8) in layout.candidates(cfg, 8)
     lay, rows, said = choose(cfg, 8)
-    assert dims(lay) == (False, 2, 2, 2, 2, 4, 1, 1) and peak(rows) == 60.41 and "reference layout" in said
+    assert dims(lay) == (True, 1, 8, 1, 8, 8, 1, 1) and peak(rows) == 51.1 and "of the 133 layouts that fit" in said
     lay, rows, said = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 27.74 and "fewest bytes" in said
+    assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 27.74
 
 
 def test_tiny_on_1_2_4_ranks():
     cfg = config.resolve("tiny")
     lay, _, said = choose(cfg, 1)
-    assert dims(lay) == (True, 1, 1, 1, 1, 1, 1, 1) and "the only colocated layout that fits" in said
-    lay, _, _ = choose(cfg, 2)
-    assert dims(lay) == (True, 1, 2, 1, 2, 1, 1, 1)       # colocated dp, as without a capacity
-    lay, _, _ = choose(cfg, 4)
-    assert dims(lay) == (False, 1, 2, 1, 2, 1, 1, 1)      # the reference layout
+    assert dims(lay) == (True, 1, 1, 1, 1, 1, 1, 1) and "the fastest predicted of the 1 layouts" in said
+    for world in (2, 4):
+        lay, _, _ = choose(cfg, world)
+        assert dims(lay) == (True, 1, world, 1, world, 1, 1, 1)      # colocated dp: no collective in a micro-batch
     lay, _, _ = choose(cfg, 2, capacity=memory.capacity(torch.device("cpu")), cuda=False)
     assert dims(lay) == (True, 1, 2, 1, 2, 1, 1, 1)
 
 
-def test_bytes_moved_by_hand():
+def test_own_lanes_raise_the_micro_batch_and_say_so():
+    """20l at stage 2 on 4 ranks: the dry run's table of candidates (141 GB, an H200); the tower on its own 4 lanes
+    beside a tp2 language model splits a micro-batch of 2 samples, one a lane, and is picked where it fits and the
+    faster in-place tp1 layout does not."""
+    cfg = config.resolve("20l")
+    said = []
+    lay = layout.choose(cfg, 4, 141 * GIB, True, said.append, strict=False)
+    table = "\n".join(said[:-1])
+    assert "layouts that fit, by predicted step time" in said[0] and "own lanes: vision tp1 dp4 | language tp2 dp2 " \
+        "ep4, micro-batch 2" in table and "hetero: vision tp1 dp2 on 2 | language tp1 dp2 ep2 on 2" in table
+    assert lay.brief() == "in place: tp1 dp4 ep4"
+    own = [c for c in layout.candidates(cfg, 4) if c.kind == "own lanes" and (c.vision_dp, c.lm_tp, c.lm_ep) ==
+           (4, 2, 4)]
+    assert [c.micro_batch for c in own] == [2] and own[0].num_microbatches == 2 and own[0].vision_micro_batch == 1
+    tp2 = [c for c in layout.candidates(cfg, 4) if c.in_place and (c.lm_tp, c.lm_ep, c.lm_etp) == (2, 4, 1)]
+    assert layout.rank(cfg, own + tp2)[0][0] == own[0]       # predicted faster than the tower at tp 2 in place
+    said = []   # on 80.1 GiB ranks the in-place tp1 layout no longer fits: the chooser's line says what it raised
+    lay = layout.plan(cfg, 4, memory.required(memory.plan(cfg, own[0])), say=said.append)
+    assert lay == own[0] and "micro-batch 2, not 1, so that a micro-batch's samples split over the 4 vision lanes" \
+        in said[0], said
+
+
+def test_cost_by_hand(monkeypatch):
     """tiny with one attention and one MoE layer (T 96 tokens of D 64, top 2 of 8 experts), stage 2 (the tower is
-    frozen: forward only), global batch 8 on 2 ranks."""
+    frozen: forward only), global batch 8 on 2 ranks. With no compute, latency, host or memory time and one byte a
+    second, cost.step_seconds counts the bytes a rank sends in a step."""
+    for name, value in (("PEAK_FLOPS", float("inf")), ("LATENCY_S", 0), ("HOST_PATCH_S", 0), ("NVLINK_BYTES_S", 1),
+                        ("MEMORY_BYTES_S", float("inf"))):
+        monkeypatch.setattr(cost, name, value)
+
+    def bytes_moved(cfg, lay):
+        return cost.step_seconds(cfg, lay)["step"]
+
     cfg = cli.config_of(["--preset", "tiny", "--hybrid-override-pattern", "*E"])
     T, D = 96, 64
-    at = {(c.lm_tp, c.lm_ep, c.lm_etp): c for c in layout.candidates(cfg, 2) if c.lm_cp == 1}
+    at = {(c.lm_tp, c.lm_ep, c.lm_etp): c for c in layout.candidates(cfg, 2) if c.in_place and c.lm_cp == 1}
     # tp2 ep2 (dp 1, edp 1: no gradient traffic), 8 micro-batches. A 2-rank all-reduce sends the whole buffer, an
     # all-gather or all-to-all half of it. Per micro-batch:
     tp = (2 * (2 * 1 + 1 * 0.5)      # forward + backward: each layer's all-reduce, the MoE's all-gather of rows
@@ -92,21 +124,21 @@ def test_bytes_moved_by_hand():
     ep = 2 * 2 * 0.5 * 2 * (T * 2 // 2) * D   # forward + backward: dispatch + combine of T k / tp bf16 rows
     vision = 2 * 2 * 1 * 2 * 18 * 32          # 2 blocks x 2 all-reduces, forward only, of S 18 x C 32 bf16
     assert (tp, ep, vision) == (86016, 24576, 4608)
-    assert layout.bytes_moved(cfg, at[2, 2, 1]) == 8 * (tp + ep + vision) == 921600
+    assert bytes_moved(cfg, at[2, 2, 1]) == 8 * (tp + ep + vision) == 921600
     # tp1 ep1 dp2: no activations move; every trained parameter (language 86720 dense + 32768 expert, projector
     # 128 + 128 x 128 + 64 x 128) reduce-scatters its fp32 gradient and all-gathers its bf16 weight: 6 / 2 bytes
-    assert layout.bytes_moved(cfg, at[1, 1, 1]) == 3 * (86720 + 32768 + 24704) == 432576
+    assert bytes_moved(cfg, at[1, 1, 1]) == 3 * (86720 + 32768 + 24704) == 432576
     plain = dataclasses.replace(cfg, distributed_optimizer=False)     # an fp32 all-reduce: 2 x 4 / 2 bytes
-    assert layout.bytes_moved(plain, at[1, 1, 1]) == 4 * (86720 + 32768 + 24704)
+    assert bytes_moved(plain, at[1, 1, 1]) == 4 * (86720 + 32768 + 24704)
     lay = layout.plan(cfg, 2, H100)
     assert (lay.lm_tp, lay.lm_ep, lay.lm_etp) == (1, 1, 1)
     checkpointed = dataclasses.replace(cfg, activation_checkpointing=True)   # one forward more: tp and ep x 3 / 2
-    assert layout.bytes_moved(checkpointed, at[2, 2, 1]) == 8 * ((3 * 2.5 + 2) * 2 * T * D + 1.5 * ep + vision)
+    assert bytes_moved(checkpointed, at[2, 2, 1]) == 8 * ((3 * 2.5 + 2) * 2 * T * D + 1.5 * ep + vision)
     # cp2 (dp 1): per micro-batch and attention layer pass a rank's K and V (48 tokens x 2 KV heads of 16, bf16)
     # to the other; the gradients reduce over dp x cp = 2 as at dp2
     (cp2,) = [c for c in layout.candidates(cfg, 2) if (c.lm_cp, c.lm_ep, c.lm_etp) == (2, 1, 1)]
     kv = 2 * (T // 2) * 2 * 2 * 16
-    assert layout.bytes_moved(cfg, cp2) == 8 * 2 * kv + 432576 == 530880
+    assert bytes_moved(cfg, cp2) == 8 * 2 * kv + 432576 == 530880
 
 
 def test_none_fits_names_the_fix():
@@ -153,7 +185,7 @@ def test_without_capacity_unchanged():
     assert dims(layout.plan(config.resolve("20l"), 8)) == (False, 2, 2, 2, 2, 4, 1, 1)
     assert dims(layout.plan(config.resolve("tiny"), 2)) == (True, 1, 2, 1, 2, 1, 1, 1)
     with pytest.raises(SystemExit, match="global_batch 8 is not divisible"):   # nothing valid: the same error
-        layout.plan(config.resolve("tiny"), 3, H100)
+        layout.plan(config.resolve("tiny"), 7, H100)   # no split of 7 ranks divides a batch of 8
 
 
 def test_sizes_that_do_not_divide_name_what_would():
@@ -182,3 +214,32 @@ def test_a_tower_trained_by_any_flag_is_planned_as_training():
     frozen, stage3 = (memory.vision_activation_bytes(dataclasses.replace(cfg, stage=s), lay) for s in (2, 3))
     embedder = dataclasses.replace(cfg, train_layers=r"^vision\.(embedder|mlp1)\.|^language\.")
     assert memory.vision_activation_bytes(embedder, lay) == stage3 > frozen
+
+
+def _train_own_lanes_chosen(rank, world, argv):
+    """tests.test_train._train with the chooser left one candidate: the tower tp1 dp4 on its own lanes beside a tp2
+    language model, at the micro-batch 2 the chooser raised it to (the run's own --micro-batch stays 1)."""
+    from tests import test_train
+    real, chosen = layout.candidates, []
+
+    def one(cfg, w):
+        chosen[:] = [c for c in real(cfg, w) if c.kind == "own lanes" and
+                     (c.vision_dp, c.lm_tp, c.lm_ep, c.lm_etp, c.micro_batch) == (4, 2, 1, 1, 2)]
+        return chosen
+    layout.candidates = one
+    try:
+        out = test_train._train(rank, world, argv)
+    finally:
+        layout.candidates = real
+    assert len(chosen) == 1 and cli.config_of(argv).micro_batch == 1, chosen
+    return out
+
+
+@pytest.mark.slow
+def test_a_chosen_layout_with_a_raised_micro_batch_trains_as_one_process():
+    from tests.spawn import run_distributed
+    from tests.test_train import ONE_STEP, assert_step_matches, run
+    (ref,) = run(ONE_STEP, 1)
+    results = run_distributed(_train_own_lanes_chosen, 4, ONE_STEP, timeout=60.0)
+    assert [h[0]["loss"] is not None for h, _, _ in results] == [True] * 4
+    assert_step_matches(results, ref, "own lanes, micro-batch raised to 2")

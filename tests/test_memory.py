@@ -9,6 +9,7 @@ import torch
 
 import cli
 import config
+import cost
 import layout
 import memory
 from radio import VisionModel
@@ -138,7 +139,7 @@ def test_dry_run_verdict_per_rank_kind(capsys):
     rows = memory.plan(cfg, lay)
     vision, language = rows["vision"]["peak"], rows["language"]["peak"]
     assert vision < language
-    memory.dry_run(cfg, lay, (vision + language) / 2 / memory.TRAIN_SHARE)
+    memory.dry_run(cfg, lay, (vision + language) / 2 / memory.TRAIN_SHARE, cost.step_seconds(cfg, lay))
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1])["fits"] == {"vision": True, "language": False}
     assert [line.split()[:3] for line in lines if line.split()[1:2] in (["fits"], ["does"])] == \

@@ -26,7 +26,7 @@ STAGE3 = ["--preset", "tiny", "--global-batch", "8", "--stage", "3", "--lr", "1e
 # (and the grad norm is fp64), so the run is bit-exact; over dp 4 the order of the four-term sums differs, and AdamW
 # amplifies that last-bit difference where gradients are tiny next to eps
 LAYOUTS = {
-    "hetero v-dp2 + lm-dp2": (4, [], 0.0),
+    "hetero v-dp2 + lm-dp2": (4, ["--vision-dp", "2", "--lm-dp", "2"], 0.0),
     "colocated tp2 dp2 ep4 edp1": (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "4"], 0.0),
     "colocated dp4 ep2 edp2": (4, ["--colocated", "--lm-ep", "2"], 1e-5),
 }

@@ -323,7 +323,7 @@ def test_two_torchrun_agents_as_two_nodes_match_one_process(tmp_path):
     metrics = str(tmp_path / "metrics.jsonl")
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=t17",
-                                "train.py", *argv, "--metrics-file", metrics],
+                                "train.py", *argv, "--vision-dp", "2", "--lm-dp", "2", "--metrics-file", metrics],
                                cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [a.communicate(timeout=240)[0] for a in agents]

@@ -122,7 +122,8 @@ MTP = ["--preset", "tiny", "--steps", "3", "--global-batch", "4", "--lr", "1e-3"
        "--stage", "3", "--moe-latent-size", "16", "--num-nextn-predict-layers", "1", "--mtp-depths", "2"]
 
 
-@pytest.mark.parametrize("world,flags", [(4, []), (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "2"]),
+@pytest.mark.parametrize("world,flags", [(4, ["--vision-dp", "2", "--lm-dp", "2"]),
+                                         (4, ["--colocated", "--lm-tp", "2", "--lm-ep", "2"]),
                                          (4, ["--colocated", "--lm-cp", "2", "--lm-ep", "2"])],
                          ids=["hetero", "colocated-tp2-ep2", "colocated-cp2-ep2"])
 @pytest.mark.slow

@@ -156,7 +156,8 @@ def reference():
 def test_tiny_hetero_learns_is_deterministic_and_matches_one_process():
     argv = ["--preset", "tiny", "--steps", "5", "--global-batch", str(GB), "--mock-num-samples", str(GB),
             "--lr", "3e-3", "--lr-schedule", "constant"]
-    runs = run_distributed(_train_twice, 4, argv, timeout=60.0)     # tiny reference layout at world 4
+    hetero = argv + ["--vision-dp", "2", "--lm-dp", "2"]             # the tiny preset's reference layout
+    runs = run_distributed(_train_twice, 4, hetero, timeout=60.0)
     (ref,) = run_distributed(lambda rank, world: train.main(argv)[0], 1, timeout=60.0)  # one process
     first, second = runs[2]                                         # rank 2: language lane 0
     losses = [h["loss"] for h in first]
@@ -224,7 +225,7 @@ def test_text_only_mixing_matches_one_process():
     (reference,) = run(argv, 1)
     _, _, ref_grads = reference
     assert ref_grads["vision.blocks.0.attn.qkv.weight"].abs().max() > 0       # the one image trains the tower
-    results = run(argv, 4)                                                      # tiny reference layout, hetero
+    results = run(argv + ["--vision-dp", "2", "--lm-dp", "2"], 4)              # tiny reference layout, hetero
     assert [h[0]["loss"] is None for h, _, _ in results] == [True, True, False, False]
     assert_step_matches(results, reference, "text-only mix")
     # MFU counts what ran: 4 x 96 language tokens and the one image (the tower trains at stage 3), on any layout
@@ -470,7 +471,8 @@ def _train_with_inf_on_vision_rank_1(rank, world, argv):
 
 @pytest.mark.slow
 def test_inf_on_one_encoder_rank_skips_everywhere():
-    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", str(GB), "--lr", "1e-3", "--lr-schedule", "constant"]
+    argv = ["--preset", "tiny", "--steps", "3", "--global-batch", str(GB), "--lr", "1e-3", "--lr-schedule", "constant",
+            "--vision-dp", "2", "--lm-dp", "2"]                     # hetero: ranks 0-1 vision, 2-3 language
     results = run_distributed(_train_with_inf_on_vision_rank_1, 4, argv, timeout=60.0)
     assert [n for _, n in results] == [0, 6, 0, 0]                # the hook fired on rank 1 only, 2 per step
     for rank, (history, _) in enumerate(results):
@@ -515,7 +517,7 @@ def test_bad_grid_exits_with_the_layout_message(monkeypatch):
     assert msg.startswith("bad parallel layout"), msg
     assert "!= WORLD_SIZE 4" in msg and "do not split evenly over vision dp 3" in msg, msg
     with pytest.raises(SystemExit) as e:
-        train.main(["--preset", "tiny", "--global-batch", "5"])        # reference layout: lm dp 2
+        train.main(["--preset", "tiny", "--vision-dp", "2", "--lm-dp", "2", "--global-batch", "5"])
     assert "global_batch 5 is not divisible" in str(e.value)
 
 

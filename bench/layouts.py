@@ -1,10 +1,10 @@
-"""Time train.py in several layouts of one model on this machine's GPUs: the hetero layouts against the chooser's.
+"""Time train.py in several layouts of one model on this machine's GPUs against the chooser's, beside its predictions.
 
   python bench/layouts.py [--only NAME ...] [--steps 20] [--out DIR]
 
-Each configuration runs `torchrun --standalone train.py ... --metrics-file` (with a `timeout`), and
+Each configuration (a layout at stage 2 and 3) runs `torchrun --standalone train.py ... --metrics-file` (with a `timeout`), and
 `train.py ... --dry-run --world-size N --gpu-memory <this GPU's GiB>` for the plan. One JSON line per run: the
-layout line the run printed, the loss of the first and last step, and over the steps after the first two (warm:
+layout line the run printed, the step the chooser's cost model predicts (cost.py, the dry run's), the loss of the first and last step, and over the steps after the first two (warm:
 compiled, tuned, the optimizer state made) the median step time, tok/s per GPU and MFU; per rank kind the largest
 measured peak and the plan's. A run that fails or times out gives its last lines instead.
 """
@@ -22,26 +22,29 @@ sys.path.insert(0, ROOT)
 from memory_check import kinds_of_ranks  # noqa: E402
 
 L20 = ["--preset", "20l"]   # 128 experts, seq 8192, one 2048 x 2048 mock image a sample, global batch 8
-VTP2 = ["--vision-tp", "2", "--vision-dp", "1"]
-HETERO = {"hetero-vtp2-ldp2ep2": VTP2 + ["--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2"],
-          "hetero-vtp2-ltp2ep2": VTP2 + ["--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"]}
-CONFIGS = {   # name: (GPUs, train.py arguments); stage 3 runs the hetero layout fastest at stage 2 only
-    **{f"20l-stage2-{k}": (4, L20 + v) for k, v in HETERO.items()},
-    "20l-stage2-chosen": (4, L20),
-    **{f"20l-stage3-{k}": (4, L20 + v + ["--stage", "3"]) for k, v in HETERO.items()},
-    "20l-stage3-chosen": (4, L20 + ["--stage", "3"]),
-    # the 80 GB chooser's language layout (tp2 dp2 ep4) with the tower in place (tp2 dp2) or its own lanes (dp4)
-    "20l-stage3-inplace-tp2ep4": (4, L20 + ["--colocated", "--lm-tp", "2", "--lm-ep", "4", "--stage", "3"]),
-    "20l-stage3-shared-vdp4-ltp2ep4": (4, L20 + ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp",
-                                                 "2", "--lm-ep", "4", "--micro-batch", "2", "--stage", "3"]),
+LAYOUTS = {   # name: train.py's grid flags (none: the chooser's)
+    "chosen": [],
+    "hetero-vtp2-ldp2ep2": ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2"],
+    "hetero-vtp2-ltp2ep2": ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"],
+    "hetero-vdp2-ldp2ep2": ["--vision-tp", "1", "--vision-dp", "2", "--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2"],
+    # the 80 GB chooser's language layout (tp2 dp2 ep4) with the tower in place (tp2 dp2) or on its own lanes (dp4)
+    "inplace-tp2ep4": ["--colocated", "--lm-tp", "2", "--lm-ep", "4"],
+    "shared-vdp4-ltp2ep4": ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2", "--lm-ep", "4",
+                            "--micro-batch", "2"],
+    # what else fits 80 GB at stage 2: experts over ep2 x etp2, the tower at tp4 on its own lanes, tp4 throughout
+    "inplace-tp2ep2etp2": ["--colocated", "--lm-tp", "2", "--lm-ep", "2", "--lm-etp", "2"],
+    "shared-vtp4-ltp2ep4": ["--colocated", "--vision-tp", "4", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "4"],
+    "inplace-tp4ep4": ["--colocated", "--lm-tp", "4", "--lm-ep", "4"],
 }
+CONFIGS = {f"20l-stage{stage}-{name}": (4, L20 + flags + ["--stage", str(stage)])   # name: (GPUs, arguments)
+           for stage in (2, 3) for name, flags in LAYOUTS.items()}
 
 
 def run(name, gpus, argv, steps, out, timeout):
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     dry = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--world-size", str(gpus), "--gpu-memory",
                           f"{gib:.1f}"], cwd=ROOT, capture_output=True, text=True)
-    plan = json.loads(dry.stdout.strip().splitlines()[-1])["peak_gib_per_rank"] if dry.returncode == 0 else None
+    plan = json.loads(dry.stdout.strip().splitlines()[-1]) if dry.returncode == 0 else {}
     metrics = os.path.join(out, f"{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -63,7 +66,8 @@ def run(name, gpus, argv, steps, out, timeout):
             "step_s": statistics.median(r["step_time_s"] for r in warm),
             "tok_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in warm),
             "mfu": statistics.median(r["mfu"] or 0.0 for r in warm), "first_step_s": recs[0]["step_time_s"],
-            "peak_gib": peaks, "plan_gib": {k: (plan or {}).get("language" if k == "both" else k) for k in peaks}}
+            "peak_gib": peaks, "plan_gib": {k: plan.get("peak_gib_per_rank", {}).get("language" if k == "both" else k) for k in peaks},
+            "predicted_s": plan.get("predicted_s")}
 
 
 def main():
@@ -73,17 +77,9 @@ def main():
     p.add_argument("--timeout", type=int, default=240, help="seconds a run may take")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     a = p.parse_args()
-    stage2 = {}
     for name, (gpus, argv) in CONFIGS.items():
-        if (a.only and name not in a.only) or torch.cuda.device_count() < gpus:
-            continue
-        hetero = next((k for k in HETERO if name.endswith(k)), None)
-        if hetero and "stage3" in name and stage2 and min(stage2, key=stage2.get) != hetero:
-            continue
-        result = run(name, gpus, argv, a.steps, a.out, a.timeout)
-        if hetero and "stage2" in name:
-            stage2[hetero] = result.get("step_s", float("inf"))
-        print(json.dumps(result), flush=True)
+        if (a.only is None or name in a.only) and torch.cuda.device_count() >= gpus:
+            print(json.dumps(run(name, gpus, argv, a.steps, a.out, a.timeout)), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ LM_EFFICIENCY = 0.445
 # stage 3 in place tp1: the mean of 1.718 and 1.788 s): within 10 % of each.
 VISION_EFFICIENCY = 0.40    # the tower's and projector's FLOPs (attention over 16k-token images: flash kernels)
 LATENCY_S = 190e-6          # per collective: launch, and waiting for the group's slowest rank
-HOST_PATCH_S = 0.05 / 128 ** 2   # a sample's loading on the host the GPU waits for: 0.05 s a 2048² image
+HOST_PATCH_S = 0.05 / 128 ** 2   # per sample a module handles, time outside its kernels: 0.05 s a 2048² image
 # Taken, not fitted (the 4-GPU step times cannot tell bandwidth from the latency above): NCCL's bus bandwidth
 # on NVLink 4 inside a node; between nodes one 400 Gb/s NIC per GPU (DGX H100); an H100's HBM3 for the optimizer.
 NVLINK_BYTES_S = 300e9
@@ -51,7 +51,8 @@ def send(nbytes, count, span):
 
 
 def host_seconds(cfg):
-    """A sample's loading on a rank's host (each module's ranks load their lane's samples, images included)."""
+    """A sample's time outside the kernels of a module that handles it, by its image patches: fitted. The host's
+    launches and syncs (bench/2026-11-27-step-profile.md: no kernel runs for 13-35 % of a 4-GPU 20l step)."""
     return sum(h * w * t for h, w, t in memory.vision_items(cfg)) * HOST_PATCH_S
 
 

@@ -10,6 +10,7 @@ for, cp only where nothing without it fits. Fitting comes first because a layout
 among those that do, the step time is what a user wants. The model and how far it holds: docs/layouts.md §1.
 """
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import config
@@ -238,8 +239,9 @@ def candidates(cfg, world, apart=True):
         return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
 
     def split(colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep=1, lm_etp=1, lm_cp=1):
-        mbs = next((m for m in range(cfg.micro_batch, cfg.global_batch + 1)
-                    if m * lm_dp % vision_dp == 0 and cfg.global_batch % (m * lm_dp) == 0), cfg.micro_batch)
+        step = vision_dp // math.gcd(lm_dp, vision_dp)       # micro-batches that split over the vision lanes
+        mbs = next((m for m in range(-(-cfg.micro_batch // step) * step, cfg.global_batch // lm_dp + 1, step)
+                    if cfg.global_batch % (m * lm_dp) == 0), cfg.micro_batch)
         return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp)
 
     node = cost.GPUS_PER_NODE
@@ -250,7 +252,8 @@ def candidates(cfg, world, apart=True):
     own = [split(True, vtp, world // vtp, tp, world // tp, ep, etp) for tp, cp, ep, etp in language if cp == 1
            for vtp in divisors(world, node) if vtp != tp and apart]
     hetero = [split(False, vtp, v // vtp, tp, (world - v) // tp, ep) for v in range(1, world) if apart
-              for vtp in divisors(v, node) for tp in divisors(world - v, node) for ep in divisors(world - v)]
+              for vtp in divisors(v, node) for tp in divisors(world - v, node) for ep in divisors(world - v)
+              if cfg.global_batch % ((world - v) // tp) == 0]                   # language dp divides the batch
     return [lay for lay in [reference(cfg, world)] + in_place + own + hetero if lay and valid(lay, cfg)]
 
 

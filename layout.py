@@ -239,9 +239,11 @@ def candidates(cfg, world, apart=True):
         return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
 
     def split(colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep=1, lm_etp=1, lm_cp=1):
-        step = vision_dp // math.gcd(lm_dp, vision_dp)       # micro-batches that split over the vision lanes
-        mbs = next((m for m in range(-(-cfg.micro_batch // step) * step, cfg.global_batch // lm_dp + 1, step)
-                    if cfg.global_batch % (m * lm_dp) == 0), cfg.micro_batch)
+        mbs = cfg.micro_batch
+        if mbs * lm_dp % vision_dp:   # the smallest multiple of `step` that also divides the batch, if one does
+            step = vision_dp // math.gcd(lm_dp, vision_dp)
+            mbs = next((m for m in range(-(-mbs // step) * step, cfg.global_batch // lm_dp + 1, step)
+                        if cfg.global_batch % (m * lm_dp) == 0), mbs)
         return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp)
 
     node = cost.GPUS_PER_NODE

@@ -288,7 +288,7 @@ def train_step(run, step, stop, first=False):
            for d, n in enumerate(n_mtp)]
     # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
     flops = sum(vlm.flops(cfg, ours[side], side, trains) for side, m, trains in (
-        ("vision", par.vision, run.vision is not None and model.tower_trains(run.vision)), ("lm", par.lm, True))
+        ("vision", par.vision, memory.tower_trains(cfg)), ("lm", par.lm, True))
         if m is not None and m.lane_lead)
     if run.device.type == "cuda":
         torch.cuda.synchronize()

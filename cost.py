@@ -32,7 +32,6 @@ NETWORK_BYTES_S = 50e9
 GPUS_PER_NODE = 8
 MEMORY_BYTES_S = 3.35e12
 OPTIMIZER_BYTES = 34        # per parameter the step reads and writes: fp32 weight, gradient, moments, bf16 copy
-_PER_TOKEN = {}             # model.lm_flops_per_token per cfg: it builds the blocks on the meta device
 
 
 def all_reduce(g):          # share of B bytes one rank sends in a ring all-reduce of B over g ranks
@@ -61,10 +60,7 @@ def language_micro(cfg, lay):
     tp, cp, ep, etp = lay.lm_tp, lay.lm_cp, lay.lm_ep, lay.lm_etp
     T, D, pattern = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, cfg.hybrid_override_pattern
     passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
-    key = tuple(vars(cfg).items())
-    if key not in _PER_TOKEN:
-        _PER_TOKEN[key] = model.lm_flops_per_token(cfg, cfg.seq_len)
-    flops = lay.micro_batch * cfg.seq_len * _PER_TOKEN[key] * (passes + 1) / 3
+    flops = lay.micro_batch * cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) * (passes + 1) / 3
     compute = flops / (tp * cp) / (PEAK_FLOPS * LM_EFFICIENCY) + lay.micro_batch * host_seconds(cfg)
     reduces = passes * len(pattern) + 2          # per layer pass (an MoE layer: its shared expert's), embedding, head
     activation = 2 * T * D

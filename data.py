@@ -19,7 +19,7 @@ import json
 import os
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -43,6 +43,11 @@ class Sample:
     images: list
     seq_idx: torch.Tensor = None
     n_pad: int = 0                    # padding tokens at the end of the row (not routed or counted by MoE layers)
+
+    def pin_memory(self):
+        """A DataLoader pinning (Loader on CUDA) calls it in its own thread: the images' copies to the GPU then
+        neither wait for the GPU nor stage every pixel through pinned memory on the step's path."""
+        return replace(self, images=[img.pin_memory() for img in self.images])
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -578,16 +583,17 @@ class Loader:
     restarted eval), it restarts its stream there. state_dict() holds the next global sample index: one number
     serves every language lane, each lane's own samples follow from it (lane_samples)."""
 
-    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0):
+    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, pin=False):
         self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
-        self.num_workers, self.next, self.it = num_workers, 0, None
+        self.num_workers, self.pin, self.next, self.it = num_workers, pin, 0, None
 
     def step(self, base, n_micro):
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
                 _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None,
                 sampler=itertools.count(base, self.spm), num_workers=self.num_workers, collate_fn=_identity,
-                worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None))
+                worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None,
+                pin_memory=self.pin))
         out = {}
         for _ in range(n_micro):
             out.update(next(self.it))
@@ -618,15 +624,18 @@ def collate_text(samples):
     return torch.stack([s.input_ids for s in samples]), torch.stack([s.labels for s in samples]), seq, valid
 
 
-def collate_images(samples, cfg):
+def collate_images(samples, cfg, move=None):
     """-> packed patch rows [Σ t*h*w, 3p²], grids [(h, w)], image rows per sample, frames [t] per item (vision side):
     an image is t = 1, a video tubelet [3t, H, W] gives each patch's t frame vectors as t consecutive rows
-    (radio.VisionModel.embed). The sample's token budget fixed each size, so placeholders and rows agree."""
+    (radio.VisionModel.embed). The sample's token budget fixed each size, so placeholders and rows agree.
+    move: applied to each image before it is cut into patches (vlm.encode: to the GPU, where the permutation is a
+    kernel; on the host it is strided copies of every pixel, while the GPU waits for them at a step's start)."""
     p, patches, grids, rows, frames = cfg.vit_patch, [], [], [], []
     for s in samples:
         n = 0
         for img in s.images:
             h, w, t = img.shape[1] // p, img.shape[2] // p, img.shape[0] // 3
+            img = move(img) if move is not None else img
             patches.append(radio.patchify(img, p).reshape(h * w * t, 3 * p * p))
             grids.append((h, w))
             frames.append(t)

@@ -152,11 +152,12 @@ def setup(cfg, inv, lay, start, device):
         eval_data = run.train_data
     own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
-    run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers)
+    pin = pixels and device.type == "cuda"   # images pinned ahead, in the loader's thread
+    run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers, pin)
     if eval_data is not None:
         n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
         run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
-        run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels)
+        run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels, pin=pin)
         if inv.eval_only and run.log_rank:
             what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
                     f"--eval-data {cfg.eval_data}" if cfg.eval_data else

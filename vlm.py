@@ -26,9 +26,9 @@ def autocast(device):
 def encode(vision, samples, cfg):
     """-> (image rows [R, D] of the samples' images and video tubelets in sample order, [rows of each sample])."""
     device = vision.mlp1["3"].weight.device
-    patches, grids, rows, frames = data.collate_images(samples, cfg)
+    patches, grids, rows, frames = data.collate_images(samples, cfg, lambda t: model.host_to_device(t, device))
     with autocast(device):
-        return vision(model.host_to_device(patches, device), grids, frames), rows
+        return vision(patches.to(device), grids, frames), rows
 
 
 def inputs(lm, ids, host_ids, rows, per_sample, cfg, cp_at=(0, 1)):

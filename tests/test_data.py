@@ -100,6 +100,9 @@ def test_chat_line_exact(chat_file):
     assert torch.allclose(img, red.expand(3, 64, 64), atol=1e-4)
     patches, grids, rows, _ = data.collate_images([s], CFG)
     assert grids == [(4, 4)] and rows == [4] == [int((s.input_ids == IMG).sum())] and patches.shape == (16, 768)
+    # vlm.encode moves each image before cutting it (to the GPU): the same patch rows, only the cut runs elsewhere
+    moved, *rest = data.collate_images([s], CFG, lambda img: img.to(torch.float64))
+    assert moved.dtype == torch.float64 and torch.equal(moved, patches.double()) and rest == [grids, rows, [1]]
 
 
 def test_chat_train_on_all(chat_file):

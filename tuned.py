@@ -3,7 +3,7 @@ __init__, its SSD kernels' Triton configs taken from a table tuned on an H100 fo
 Triton cache directory for the whole process.
 
 TABLE (tuned.json, written by bench/tune_mamba.py) maps each kernel and the shape part of its autotune key to the
-config the autotuner chose on one H100; a call whose shape is in it benchmarks that config alone, any other shape
+config the autotuner chose on one H100; a call whose shape is in it runs that config, untimed, any other shape
 autotunes as before. It applies on compute capability 9.0 only: another GPU's limits (shared memory) may refuse a
 config chosen there. The choice changes speed, never results: every config computes the same sums.
 """
@@ -65,12 +65,13 @@ def chosen():
 
 
 def pin(table):
-    """Each kernel in table benchmarks only its tuned config for a tuned shape (the key's values, dtypes left out)."""
+    """Each kernel in table runs its tuned config for a tuned shape (the key's values, dtypes left out), untimed."""
     for name, tuner in autotuners().items():
         by_text = {str(c): c for c in tuner.configs}
         chosen = {shape: by_text[text] for shape, text in table.get(name, {}).items() if text in by_text}
         if chosen:
             tuner.early_config_prune = _prune_to(chosen, tuner.keys, tuner.early_config_prune)
+            _time_no_lone_config(tuner)
 
 
 def _prune_to(chosen, keys, before):
@@ -81,6 +82,37 @@ def _prune_to(chosen, keys, before):
             return [chosen[shape]]
         return before(configs, nargs, **kwargs) if before else configs
     return prune
+
+
+def _time_no_lone_config(tuner):
+    """Triton 3.6's Autotuner.run times the configs its pruning leaves, one included (do_bench: >= 125 ms of runs a
+    kernel, every process for those whose configs carry a pre_hook, which its disk cache skips); triton after PR
+    #10413 takes a lone config untimed. Here too: do_bench returns zeros without launching when the last pruning
+    left one config. The kernel then runs once with that config, as after timing: the same results. Relies on the
+    tuner's do_bench attribute (a cached_property in 3.6, called by Autotuner._bench); where it is missing or
+    cannot be set, nothing changes."""
+    prune, bench = tuner.early_config_prune, getattr(tuner, "do_bench", None)
+    if prune is None or not callable(bench):
+        return
+    lone = False
+
+    def pruned(configs, nargs, **kwargs):
+        nonlocal lone
+        kept = prune(configs, nargs, **kwargs)
+        lone = len(kept) == 1
+        return kept
+
+    def do_bench(kernel_call, *args, **kwargs):
+        if lone:   # a timing nothing is compared with
+            quantiles = kwargs.get("quantiles")
+            return [0.0] * len(quantiles) if quantiles else 0.0
+        return bench(kernel_call, *args, **kwargs)
+
+    try:
+        tuner.do_bench = do_bench
+    except AttributeError:
+        return
+    tuner.early_config_prune = pruned
 
 
 def _shape(values):

@@ -29,6 +29,8 @@ LAYOUTS = {   # name: train.py's grid flags (none: the chooser's)
     "hetero-vdp2-ldp2ep2": ["--vision-tp", "1", "--vision-dp", "2", "--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2"],
     # the 80 GB chooser's language layout (tp2 dp2 ep4) with the tower in place (tp2 dp2) or on its own lanes (dp4)
     "inplace-tp2ep4": ["--colocated", "--lm-tp", "2", "--lm-ep", "4"],
+    # the chosen layout with both of a rank's samples in one micro-batch: half the exchanges, twice their rows
+    "inplace-tp1ep4-mbs2": ["--colocated", "--lm-tp", "1", "--lm-dp", "4", "--lm-ep", "4", "--micro-batch", "2"],
     "shared-vdp4-ltp2ep4": ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2", "--lm-ep", "4",
                             "--micro-batch", "2"],
     # what else fits 80 GB at stage 2: experts over ep2 x etp2, the tower at tp4 on its own lanes, tp4 throughout

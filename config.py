@@ -220,6 +220,20 @@ REFERENCE_LAYOUTS = {
 }
 
 
+def per_config(fn):
+    """fn(cfg, *args) cached per the config's values and the arguments: for counts that build a model on the meta
+    device (about a second for Nano), which the layout chooser and every training step ask for again."""
+    cache = {}
+
+    @functools.wraps(fn)
+    def call(cfg, *args):
+        key = (tuple(vars(cfg).items()), args)
+        if key not in cache:
+            cache[key] = fn(cfg, *args)
+        return cache[key]
+    return call
+
+
 def resolve(preset, overrides=None):
     """Preset name + {field: value-or-string} -> checked Config. Unknown keys name their close matches."""
     if preset not in PRESETS:

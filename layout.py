@@ -246,9 +246,9 @@ def candidates(cfg, world, apart=True):
                         if cfg.global_batch % (m * lm_dp) == 0), mbs)
         return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp)
 
-    node = cost.GPUS_PER_NODE
-    language = [(tp, cp, ep, etp) for tp in divisors(world) for cp in divisors(world) for ep in divisors(world)
-                for etp in divisors(world) if world % (tp * cp) == 0 and world % (ep * etp) == 0]
+    node, sizes = cost.GPUS_PER_NODE, divisors(world)
+    language = [(tp, cp, ep, etp) for tp in sizes for cp in sizes for ep in sizes for etp in sizes
+                if world % (tp * cp) == 0 and world % (ep * etp) == 0]
     in_place = [split(True, tp, world // (tp * cp), tp, world // (tp * cp), ep, etp, cp)
                 for tp, cp, ep, etp in language]
     own = [split(True, vtp, world // vtp, tp, world // tp, ep, etp) for tp, cp, ep, etp in language if cp == 1

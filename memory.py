@@ -26,6 +26,7 @@ import os
 import torch
 
 import comm
+import config
 import lora
 import model
 import optim
@@ -36,7 +37,6 @@ GIB = 2 ** 30
 TRAIN_SHARE, SETUP_SHARE = 0.92, 0.95   # of a rank's memory the training and the set-up peak may use (required())
 LIMITS = (("peak", TRAIN_SHARE, "training peak (weights, gradients, optimizer state, activations)"),
           ("setup", SETUP_SHARE, "set-up peak (the weights and one full-size fp32 draw)"))
-_COUNTS = {}                            # parameter_counts' cache
 
 
 def sizing_model(cfg):
@@ -55,23 +55,19 @@ def sizing_model(cfg):
     return modules
 
 
+@config.per_config
 def parameter_counts(cfg):
     """({"vision" | "language": {(expert, etp-sharded, tp-sharded, trained): parameters}}, the language model's
     largest parameter, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's plan
-    needs of the model. Cached per cfg: building the sizing model takes about a second for Nano, and the layout
-    chooser plans dozens of layouts of one cfg."""
-    key = tuple(vars(cfg).items())
-    if key not in _COUNTS:
-        modules, counts = sizing_model(cfg), {}
-        for kind, module in modules.items():
-            groups = counts[kind] = {}
-            for p in module.parameters():
-                kinds = comm.shard_kinds(p)
-                g = ("ep" in kinds, "etp" in kinds, "tp" in kinds, p.requires_grad)
-                groups[g] = groups.get(g, 0) + p.numel()
-        _COUNTS[key] = counts, max(p.numel() for p in modules["language"].parameters()), \
-            model.tower_trains(modules["vision"])
-    return _COUNTS[key]
+    needs of the model. Cached: the layout chooser plans dozens of layouts of one cfg."""
+    modules, counts = sizing_model(cfg), {}
+    for kind, module in modules.items():
+        groups = counts[kind] = {}
+        for p in module.parameters():
+            kinds = comm.shard_kinds(p)
+            g = ("ep" in kinds, "etp" in kinds, "tp" in kinds, p.requires_grad)
+            groups[g] = groups.get(g, 0) + p.numel()
+    return counts, max(p.numel() for p in modules["language"].parameters()), model.tower_trains(modules["vision"])
 
 
 def local_parameters(cfg, lay):

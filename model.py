@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import comm
+import config
 import cp
 import fused
 from fused import RMSNorm
@@ -393,20 +394,11 @@ def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
 
 # ---------------------------------------------------------------- parameter counts
 
+@config.per_config
 def count_language_params(cfg, mtp=False):
     """(total, active per token) of the language model, embedding and LM head included, buffers excluded; mtp:
-    of its MTP blocks instead (active: one block's, what one depth runs). Cached per cfg: building the model on
-    the meta device takes a tenth of a second, and every training step counts its FLOPs."""
-    key = (tuple(vars(cfg).items()), mtp)
-    if key not in _LANGUAGE_PARAMS:
-        _LANGUAGE_PARAMS[key] = _count_language_params(cfg, mtp)
-    return _LANGUAGE_PARAMS[key]
-
-
-_LANGUAGE_PARAMS = {}
-
-
-def _count_language_params(cfg, mtp):
+    of its MTP blocks instead (active: one block's, what one depth runs). Cached: every training step counts its
+    FLOPs."""
     with torch.device("meta"):
         lm = LanguageModel(cfg)
     total = sum(p.numel() for n, p in lm.named_parameters() if n.startswith("mtp.") == mtp)
@@ -428,7 +420,7 @@ def lm_flops_per_token(cfg, seq_len):
     SSD (chunk c, state s, head dim p): per head, intra-chunk scores and values 2 * (c/2) * (s + p) and state
     in/out 2 * 2 * s * p, x3. MTP: each depth one block and the output head again.
     """
-    (_, active), (_, block), depths = count_language_params(cfg), count_language_params(cfg, mtp=True), \
+    (_, active), (_, block), depths = count_language_params(cfg), count_language_params(cfg, True), \
         mtp_depths(cfg)
     matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size + depths * (block + cfg.vocab_size * cfg.hidden_size))
     layers = cfg.hybrid_override_pattern + cfg.mtp_pattern * depths

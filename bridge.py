@@ -18,8 +18,9 @@ the encoder); send_grad and backward_encoder do nothing.
 The NCCL rules (§9): every transfer is a batch on the bridge group's one communicator; every link is opened in both
 directions when the Bridge is built (set-up, where all leaders meet), since a pair's first transfer blocks the host;
 transfers between two ranks run in the order posted, so the encoder posts the receive of gradient m before the send
-of micro-batch m + 1 (the language leader sends gradient m before it receives m + 1). A text-only micro-batch still
-sends one header per link; its 0-row payload and gradient are posted by neither side (both know the size).
+of micro-batch m + p (p = lm_pp: the language leader, on the first pipeline stage, sends gradient m before it
+receives m + p; docs/pipeline.md). A text-only micro-batch still sends one header per link; its 0-row payload and
+gradient are posted by neither side (both know the size).
 """
 from dataclasses import dataclass
 
@@ -63,18 +64,21 @@ class Bridge:
     def __init__(self, par, device="cpu"):
         self.par, self.lay, self.device = par, par.layout, torch.device(device)
         self.in_place = self.lay.in_place     # colocated, the same lanes: rows handed over in memory
-        self.defer = self.lay.colocated and not self.in_place   # shared ranks, each module its own lanes
+        self.depth = self.lay.lm_pp            # the pipeline's stages: micro-batches in flight are up to depth + 1
         links = [] if self.in_place else bridge_links(self.lay)
         self.out_links = [ln for ln in links if ln.src_leader == par.rank]   # non-empty on encoder leaders only
         self.in_links = [ln for ln in links if ln.dst_leader == par.rank]    # non-empty on language leaders only
+        # shared ranks, each module its own lanes: a rank that receives rows posts its sends with its receives
+        self.defer = self.lay.colocated and not self.in_place and bool(self.in_links)
         if par.vision is not None:
             self.vision_leader = lanes(vision_grid(self.lay))[par.vision.dp_rank][-1]
             self.vision_first = lane_samples(self.lay, "vision", par.vision.dp_rank).start
         if par.lm is not None:
             self.lm_leader = lanes(lm_grid(self.lay))[par.lm.dp_rank][0]
         self.sent = self.received = 0          # microbatch counters; the index travels in the header as a check
-        self._x = self._pass = None
-        self._splits = None                    # language: rows per link of the pending microbatch (for backward)
+        self._pass = None
+        self._held = []                        # language, oldest first: (rows received, rows per link) until
+        #                                        send_grad
         self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
         self._later = {TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # deferred sends, posted with the receives
         self._mail = {TAG_OPEN: [], TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # sends to this rank itself
@@ -121,19 +125,24 @@ class Bridge:
         """Encoder microbatches sent whose backward has not run yet."""
         return len(self._flight)
 
+    @property
+    def held(self):
+        """Language micro-batches received whose gradient has not been sent back yet."""
+        return len(self._held)
+
     # ---- encoder side ----------------------------------------------------------------------------------------
     def send(self, rows, rows_per_sample):
         """Hand this vision lane's rows [R, D] (samples in order, `rows_per_sample` rows each) to the language side."""
         counts = [int(c) for c in rows_per_sample]
         assert rows.dim() == 2 and len(counts) == self.lay.vision_micro_batch and sum(counts) == rows.shape[0], \
             f"rows {tuple(rows.shape)} do not match rows_per_sample {counts}"
-        assert self.in_flight < 2, "bridge.send with two microbatches in flight: run backward_encoder first"
+        assert self.in_flight <= self.depth, "bridge.send with lm_pp + 1 in flight: run backward_encoder first"
         if self.in_place:
             self._pass = (rows, counts)
             self._flight.append([rows, None, [], None])
             self.sent += 1
             return
-        if self._flight and self._flight[0][3] is None and not self.defer:
+        if len(self._flight) == self.depth and self._flight[0][3] is None and not self.defer:
             self._flight[0][3] = self._post_grad_recv(self._flight[0])   # before this send: see the comment above
         first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
         link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
@@ -186,13 +195,13 @@ class Bridge:
         for entry in self._flight:
             for r in entry[2]:
                 r.wait()
-        self._flight, self._x, self._pass = [], None, None
+        self._flight, self._held, self._pass = [], [], None
 
     # ---- language side ---------------------------------------------------------------------------------------
     def recv(self):
         """This language lane's rows [R_lane, D] (a leaf requiring grad, identical on every tp rank) and the row
         count of each of its micro_batch samples."""
-        assert self._x is None, "bridge.recv twice without send_grad"
+        assert len(self._held) < self.depth, "bridge.recv with lm_pp micro-batches held: send_grad first"
         if self.in_place:
             (rows, counts), self._pass = self._pass, None
             self.received += 1
@@ -209,11 +218,8 @@ class Bridge:
             self._exchange(TAG_PAYLOAD, [(dist.irecv, p, ln.src_leader, TAG_PAYLOAD)
                                          for ln, p in zip(self.in_links, parts)])
             x = torch.cat(parts)
-            self._splits = [h[2] for h in heads]
+            splits = [h[2] for h in heads]
             head = [self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]]
-        elif self.defer:                       # not a language leader: this rank's sends of the micro-batch
-            self._exchange(TAG_HEADER, [])
-            self._exchange(TAG_PAYLOAD, [])
         lane = self.par.lm.tp_cp
         if dist.get_world_size(lane) > 1:      # the leader shares header and payload with its tp and cp partners
             if self.in_links:
@@ -226,22 +232,22 @@ class Bridge:
                 x = torch.empty(head[2], head[3], dtype=DTYPES[head[1]], device=self.device)
             dist.broadcast(x, src=self.lm_leader, group=lane)
         self.received += 1
-        self._x = x.requires_grad_(True)
-        return self._x, head[4:]
+        self._held.append((x.requires_grad_(True), splits if self.in_links else None))
+        return x, head[4:]
 
     def send_grad(self):
-        """After the language backward: the leader returns each link its slice of x.grad (zeros if x got none),
+        """After the language backward of the oldest held: the leader returns each link its slice of x.grad (zeros if x got none),
         summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp ranks agree)."""
-        x, self._x = self._x, None
         if self.in_place:
             return
-        assert x is not None, "send_grad without recv"
+        assert self._held, "send_grad without recv"
+        x, splits = self._held.pop(0)
         m = self.par.lm
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         if m.cp_size > 1 and m.tp_rank == 0:
             dist.reduce(grad, dst=self.lm_leader, group=m.cp)
         ops = [(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
-               for ln, g in zip(self.in_links, grad.detach().split(self._splits) if self.in_links else [])]
+               for ln, g in zip(self.in_links, grad.detach().split(splits) if self.in_links else [])]
         if self.defer:   # posted with this rank's gradient receives (backward_encoder)
             self._later[TAG_GRAD] += ops
         else:

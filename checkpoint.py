@@ -5,8 +5,10 @@ training (sharded) and by the offline tools (full tensors: save_model; hf_intero
   DIR/.lock              while a run saves here: its flock and a line naming it (hold); removed when it ends
   DIR/step_00000006/
     model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
-                         and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts. Full
-                         names ("language.backbone.…"); written by the dp-rank-0 replica (edp 0 for experts).
+                         and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts, after
+                         pp{s}- with pipeline stages (lm_pp > 1: each stage's files apart; the tensor's spec in
+                         meta.json names its stage). Full names ("language.backbone.…", the layers by their global
+                         index at any pp); written by the dp-rank-0 replica (edp 0 for experts) of each stage.
     optim.{module}.{shard}.safetensors  AdamW state of trainable parameters, sharded like them: NAME.exp_avg,
                          NAME.exp_avg_sq, NAME.step. Frozen parameters have none.
     rank_00003.json      global rank 3: RNG states (python, numpy, torch CPU / CUDA) and its data-loader state
@@ -45,6 +47,7 @@ from safetensors.torch import save_file
 
 import comm
 import config
+import memory
 import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
@@ -52,17 +55,19 @@ LOCK_NAME, STEP = ".lock", re.compile(r"step_\d{8}")
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "language." + module key
-GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp")
+GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp",
+               "lm_pp")   # a checkpoint from before pipelines has no lm_pp: 1
 
 
 # ---------------------------------------------------------------- names, slices, files
 
-def _shard_file(kind, name, shards, coords):
-    """The file (kind: model | optim) holding the slice at `coords` of tensor `name`, sharded by `shards`."""
+def _shard_file(kind, name, shards, coords, stage=None):
+    """The file (kind: model | optim) holding the slice at `coords` of tensor `name`, sharded by `shards`, of
+    pipeline stage `stage` (None without stages: the files of pp 1 name none)."""
     kinds = {s[0] for s in shards}
     at = {k: coords.get(k, 0) if k in kinds else 0 for k in ("tp", "ep", "etp")}
     tag = f"ep{at['ep']}-etp{at['etp']}" if "ep" in kinds else f"tp{at['tp']}"
-    return f"{kind}.{name.split('.', 1)[0]}.{tag}.safetensors"
+    return f"{kind}.{name.split('.', 1)[0]}.{'' if stage is None else f'pp{stage}-'}{tag}.safetensors"
 
 
 def _entries(par, modules):
@@ -72,6 +77,13 @@ def _entries(par, modules):
         coords, sizes = groups.shards()
         for name, t in module.state_dict(keep_vars=True).items():
             yield f"{prefix}.{name}", t, groups, coords, sizes
+
+
+def _model_names(cfg, modules):
+    """The full names of the whole model's tensors in `modules` (vision / language), whichever pipeline stage
+    this rank holds: the one-process model's, adapters included, built on the meta device."""
+    whole = memory.sizing_model(cfg)
+    return {f"{k}.{n}" for k in modules for n in whole[k].state_dict()}
 
 
 def dtype_name(t):
@@ -223,11 +235,13 @@ def _snapshot(par, modules, opt, copy):
     for name, t, groups, coords, sizes in entries:
         shards = [list(s) for s in getattr(t, "shards", ())]
         shape = comm.full_shape(t.shape, shards, sizes)
+        stage = groups.pp_rank if groups.pp_size > 1 else None   # each stage's files apart
         w = states[id(t)]["main"] if id(t) in trained else t.detach().to("cpu", copy=copy)
-        specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained}
-        files.setdefault(_shard_file("model", name, shards, coords), {})[name] = w
+        specs[name] = {"shape": shape, "dtype": dtype_name(w), "shards": shards, "optim": id(t) in trained,
+                       **({} if stage is None else {"pp": stage})}
+        files.setdefault(_shard_file("model", name, shards, coords, stage), {})[name] = w
         if id(t) in trained:   # AdamW creates state at the first gradient: until then it is zeros and step 0
-            st, out = states[id(t)], files.setdefault(_shard_file("optim", name, shards, coords), {})
+            st, out = states[id(t)], files.setdefault(_shard_file("optim", name, shards, coords, stage), {})
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"{name}.{key}"] = st[key]
             out[f"{name}.step"] = st["step"]
@@ -482,7 +496,7 @@ class Reader:
         spec, key = self.tensors[name], name + suffix
         saved, saved_sizes = [tuple(s) for s in spec["shards"]], self.meta["sizes"][name.split(".", 1)[0]]
         if suffix == ".step":   # a scalar, stored with every slice
-            return self._get(_shard_file(kind, key, saved, {}), key, [], "float32")
+            return self._get(_shard_file(kind, key, saved, {}, spec.get("pp")), key, [], "float32")
         want = [tuple(s) for s in shards]
         if want and want == saved and all(saved_sizes[k] == sizes[k] for k, _, _ in want):   # same slicing
             return self._slice(kind, key, spec, saved_sizes, coords)
@@ -498,7 +512,7 @@ class Reader:
         shape = list(spec["shape"])
         for k, dim, _ in spec["shards"]:
             shape[dim] //= sizes[k]
-        return self._get(_shard_file(kind, key, spec["shards"], coords), key, shape, spec["dtype"])
+        return self._get(_shard_file(kind, key, spec["shards"], coords, spec.get("pp")), key, shape, spec["dtype"])
 
     def _get(self, fname, key, shape, dtype):
         path, crc = os.path.join(self.dir, fname), self.meta["files"].get(fname, {}).get(key)
@@ -536,7 +550,8 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
         raise ValueError(f"{r.dir}: holds no {absent} tensors (--finetune starts such a module from its init)")
     entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent
                and (e[0] in r.tensors or "lora_" not in e[0])]   # LoRA on a base checkpoint: adapters start fresh
-    extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - {e[0] for e in entries})
+    # against the whole model: a pipeline stage's modules hold their stage's part, the checkpoint all of it
+    extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - _model_names(cfg or r.cfg, modules))
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
     params = opt.params() if opt is not None else []
@@ -562,7 +577,7 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
         opt.load(mains, states)
     saved, rank_state = r.meta["layout"], None
     if load_rng and not finetune:
-        if saved and r.meta["ranks"] and all(saved[k] == getattr(lay, k) for k in GRID_FIELDS):
+        if saved and r.meta["ranks"] and all(saved.get(k, 1) == getattr(lay, k) for k in GRID_FIELDS):
             rank_state = read_json(os.path.join(r.dir, f"rank_{rank:05d}.json"), "restore it, or resume with "
                                    "--no-load-rng (RNG and data-loader state then start afresh)")
             set_rng_state(_rng_from_json(rank_state["rng"]))

@@ -134,6 +134,7 @@ class Config:
     lm_ep: int | None = None
     lm_etp: int | None = None
     lm_cp: int | None = _f(None, "context parallel: each language rank of a lane holds 1/N of every sequence (cp.py)")
+    lm_pp: int | None = _f(None, "pipeline parallel: the language model's layers in N stages (docs/pipeline.md)")
     colocated: bool | None = _f(None, "both modules on every rank")
     # ---- logging ----
     log_every: int = 1
@@ -168,7 +169,7 @@ MODEL_FIELDS = LANGUAGE_FIELDS + VISION_FIELDS + ("image_token_id",)
 # ... and what a resumed run may not change besides: the adapters, the preset behind the defaults, the tokenizer
 # (compared by content: resume.py).
 FIXED_ON_RESUME = MODEL_FIELDS + ("preset", "lora_rank", "lora_alpha", "lora_targets", "tokenizer")
-LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "colocated")
+LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "lm_pp", "colocated")
 
 
 VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 2x2 pixel shuffle)
@@ -349,7 +350,7 @@ RANGES = [
       "video_temporal_patch", "max_frames", "class_token_len", "min_num_patches", "max_num_patches"), 0,
      ">= 0"),
     (("global_batch", "micro_batch", "lr_decay_iters", "lr_wsd_decay_iters", "log_every", "eval_samples", "seq_len",
-      "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "moe_latent_size", "mtp_depths",
+      "vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "lm_pp", "moe_latent_size", "mtp_depths",
       "video_target_patches", "mock_image_size", "vocab_size", "hidden_size", "vit_hidden", "vit_depth", "vit_heads",
       "vit_mlp", "vit_patch", "vit_cpe_grid", "projector_hidden"), 1, ">= 1"),
     (("lr", "min_lr", "weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "eval_frac", "mock_text_only_frac",

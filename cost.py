@@ -4,14 +4,18 @@
 Per micro-batch, on a rank of each module:
 - compute: the module's FLOPs (model.py's counts) over its share of them (/ tp; the language model's / cp too) at
   a calibrated fraction of the bf16 peak;
-- collectives: tp all-reduces of activations, ep all-to-alls of the routed rows, cp exchanges and the bridge's
-  rows and their gradient where they travel: the bytes a rank sends at its link's bandwidth (NVLink inside a node,
-  the network between nodes) plus a fixed latency each;
+- collectives: tp all-reduces of activations, ep all-to-alls of the routed rows, cp exchanges, a pipeline stage's
+  residual stream to the next and its gradient back, and the bridge's rows and their gradient where they travel:
+  the bytes a rank sends at its link's bandwidth (NVLink inside a node, the network between nodes) plus a fixed
+  latency each;
 per step: the dp gradient reduce-scatter and weight all-gather (plain AdamW: an all-reduce), and the optimizer's
 pass over its state at memory bandwidth (the tail).
-Colocated, a rank runs both modules one after the other: step = n (V + L) + tail. Hetero, the two grids run 1F1B
-over the bridge (schedule.py): the slower side sets the pace and the faster one's micro-batch fills and drains the
-pipe: step = n max(V, L) + min(V, L) + tail. n: micro-batches per step; V, L: a vision, a language micro-batch.
+Hetero, the grids run 1F1B over the bridge and the language model's pipeline stages (schedule.py): the slowest
+part sets the pace and each other one's micro-batch fills and drains the pipe: step = n max(V, L_0 .. L_p-1) + the
+sum of the others + tail, at p = 1 n max(V, L) + min(V, L) + tail. Colocated, a rank runs both modules one after
+the other: step = (n + p - 1) max_s(V + L_s) + tail (an approximation beyond p = 1: each of the n + p - 1 rounds
+paced by the slowest rank's pair). n: micro-batches per step; V, L_s: a vision micro-batch, a language one of
+stage s; tail: the slowest rank's.
 """
 import model
 import memory
@@ -55,18 +59,27 @@ def host_seconds(cfg):
     return sum(h * w * t for h, w, t in memory.vision_items(cfg)) * HOST_PATCH_S
 
 
-def language_micro(cfg, lay):
-    """Seconds of one language micro-batch on one rank: compute and its tp, ep and cp collectives."""
-    tp, cp, ep, etp = lay.lm_tp, lay.lm_cp, lay.lm_ep, lay.lm_etp
-    T, D, pattern = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, cfg.hybrid_override_pattern
+def language_micro(cfg, lay, stage=0):
+    """Seconds of one language micro-batch on one rank of pipeline stage `stage`: compute and the tp, ep and cp
+    collectives of its layers (the embedding's on the first stage, the head's on the last), and its transfers to
+    the stages beside it: the residual stream forward (with MTP the decoder input too) and its gradient back."""
+    tp, cp, ep, etp, p = lay.lm_tp, lay.lm_cp, lay.lm_ep, lay.lm_etp, lay.lm_pp
+    T, D = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size
+    r, first, last = model.stage_layers(cfg, p)[stage], stage == 0, stage == p - 1
+    pattern = cfg.hybrid_override_pattern[r.start:r.stop]
     passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
-    flops = lay.micro_batch * cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) * (passes + 1) / 3
-    compute = flops / (tp * cp) / (PEAK_FLOPS * LM_EFFICIENCY) + lay.micro_batch * host_seconds(cfg)
-    reduces = passes * len(pattern) + 2          # per layer pass (an MoE layer: its shared expert's), embedding, head
+    layers, rest = model.layer_flops_per_token(cfg, cfg.seq_len)
+    per_token = sum(layers[r.start:r.stop]) + rest * last   # the head and MTP on the last stage
+    flops = lay.micro_batch * cfg.seq_len * per_token * (passes + 1) / 3
+    host = lay.micro_batch * host_seconds(cfg) * (len(r) / len(cfg.hybrid_override_pattern))   # launches: per layer
+    compute = flops / (tp * cp) / (PEAK_FLOPS * LM_EFFICIENCY) + host
+    reduces = passes * len(pattern) + first + last   # per layer pass (an MoE layer: its shared expert's), the
+    # embedding's, the head's
     activation = 2 * T * D
     tp_time = send((reduces * all_reduce(tp) + passes * moe * gather(tp)) * activation, (reduces + passes * moe)
                    * (tp > 1), tp)
-    routed = 2 * T * cfg.num_experts_per_tok / tp * D     # a rank's routed rows of an MoE layer, both ways
+    routed = 2 * T * cfg.num_experts_per_tok / tp * (cfg.moe_latent_size or D)   # a rank's routed rows of an MoE
+    # layer (LatentMoE: latent-wide), both ways
     ep_time = send(passes * moe * 2 * (gather(ep) + etp - 1) * routed, passes * moe * 2 * (ep * etp > 1), ep * etp)
     kv = 2 * T * 2 * cfg.num_key_value_heads * cfg.head_dim / tp
     mamba = 2 * T * (3 * cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size
@@ -74,7 +87,10 @@ def language_micro(cfg, lay):
     attention, mambas = pattern.count("*"), pattern.count("M")
     cp_time = send(passes * (attention * (cp - 1) * kv + mambas * gather(cp) * mamba),
                    passes * (attention + 2 * mambas) * (cp > 1), tp * cp)
-    return compute + tp_time + ep_time + cp_time
+    # the stages beside this one: to each, one batch a micro-batch (outputs down, or their gradient up)
+    peers = (not first) + (not last)
+    pipe_time = send(peers * activation * (1 + (model.mtp_depths(cfg) > 0)), peers, lay.lm_size)
+    return compute + tp_time + ep_time + cp_time + pipe_time
 
 
 def vision_micro(cfg, lay):
@@ -90,12 +106,13 @@ def vision_micro(cfg, lay):
     return compute + tp_time + bridge + lay.vision_micro_batch * host_seconds(cfg)
 
 
-def tail(cfg, lay, kind, cuda=True):
-    """Seconds after the last micro-batch on a rank holding `kind` ("vision", "language"): the dp gradient
-    reduce-scatter and weight all-gather, and the optimizer step over this rank's share of the state."""
-    weight, size = (2 if cuda else 4), (lay.vision_size if kind == "vision" else lay.lm_size)
+def tail(cfg, lay, kind, cuda=True, stage=0):
+    """Seconds after the last micro-batch on a rank holding `kind` ("vision", "language"; of pipeline stage
+    `stage`): the dp gradient reduce-scatter and weight all-gather over the module's (stage's) ranks, and the
+    optimizer step over this rank's share of the state."""
+    weight, size = (2 if cuda else 4), (lay.vision_size if kind == "vision" else lay.lm_size // lay.lm_pp)
     nbytes = optimized = 0
-    for k, _, trained, n, d in memory.local_parameters(cfg, lay):
+    for k, _, trained, n, d in memory.local_parameters(cfg, lay, stage):
         if k == kind and trained:
             nbytes += n * (gather(d) * (4 + weight) if cfg.distributed_optimizer else all_reduce(d) * 4)
             optimized += n / d if cfg.distributed_optimizer else n
@@ -103,14 +120,20 @@ def tail(cfg, lay, kind, cuda=True):
 
 
 def step_seconds(cfg, lay, cuda=True):
-    """{"step", "vision", "language", "tail"}: the predicted seconds of a step, of one vision and one language
-    micro-batch on a rank, and of the tail (the module docstring)."""
-    V, L = vision_micro(cfg, lay), language_micro(cfg, lay)
-    n = lay.num_microbatches
-    if lay.colocated:
-        end = tail(cfg, lay, "vision", cuda) + tail(cfg, lay, "language", cuda)
-        step = n * (V + L) + end
+    """{"step", "vision", "language", "tail", "bubble"}: the predicted seconds of a step, of one vision and one
+    language micro-batch on a rank (the slowest pipeline stage's), of the tail (the slowest rank's), and the share
+    of the step less the tail that the slowest rank waits (the module docstring)."""
+    n, p = lay.num_microbatches, lay.lm_pp
+    V, L = vision_micro(cfg, lay), [language_micro(cfg, lay, s) for s in range(p)]
+    ends = [tail(cfg, lay, "language", cuda, s) for s in range(p)]
+    if lay.colocated:   # every rank both: the tower and its stage
+        end = tail(cfg, lay, "vision", cuda) + max(ends)
+        pace, fill = max(V + lm for lm in L), (p - 1) * max(V + lm for lm in L)
     else:
-        end = max(tail(cfg, lay, "vision", cuda), tail(cfg, lay, "language", cuda))
-        step = n * max(V, L) + min(V, L) + end
-    return {"step": step, "vision": V, "language": L, "tail": end}
+        end = max(tail(cfg, lay, "vision", cuda), *ends)
+        others = sorted([V, *L])
+        pace = others.pop()
+        fill = sum(others)   # the pipe's fill and drain: each other part once
+    step = n * pace + fill + end
+    return {"step": step, "vision": V, "language": max(L), "tail": end,
+            "bubble": fill / (n * pace + fill) if fill else 0.0}

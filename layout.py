@@ -5,9 +5,10 @@ Hetero: vision on ranks [0, V), language on [V, V+L); colocated: both modules on
 (in place) or each its own (parallel.py builds the grids and groups).
 
 The choice (plan() given a rank's memory, no grid flag given): of the candidates (candidates(): in place,
-each module its own lanes, hetero) whose plan fits (memory.required), the one cost.py predicts the fastest step
-for, cp only where nothing without it fits. Fitting comes first because a layout that does not fit does not run;
-among those that do, the step time is what a user wants. The model and how far it holds: docs/layouts.md §1.
+each module its own lanes, hetero; the latter two also in pipeline stages) whose plan fits (memory.required), the
+one cost.py predicts the fastest step for, cp only where nothing without it fits. Fitting comes first because a
+layout that does not fit does not run; among those that do, the step time is what a user wants. The model and how
+far it holds: docs/layouts.md §1.
 """
 import dataclasses
 import math
@@ -18,12 +19,14 @@ import cost
 import memory
 
 MAX_WORLD = 1024    # the largest world size remedy() tries
+MAX_PP = 8          # the most pipeline stages the chooser weighs: each more adds a micro-batch to fill and drain
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of both grids. pp is kept as a dim of the language grid but must be 1 in this version. Colocated, the
-    vision grid has the language grid's cp too: the cp ranks of a lane encode the same images (vision_cp)."""
+    """Sizes of both grids. Colocated in place, the vision grid has the language grid's cp too: the cp ranks of a
+    lane encode the same images (vision_cp). lm_pp: the language model's pipeline stages (stage_layers); colocated
+    with pp > 1 each module has its own lanes (the tower on every rank, the language model's stages apart)."""
     world: int
     colocated: bool
     vision_tp: int
@@ -42,7 +45,7 @@ class Layout:
         """Colocated with the same lanes on both modules (vision tp and dp those of the language model): the bridge
         hands the rows over in memory, and the cp ranks of a lane encode the same images (vision cp = lm cp).
         Colocated otherwise, each module has its own lanes on the shared ranks and rows travel between them."""
-        return self.colocated and (self.vision_tp, self.vision_dp) == (self.lm_tp, self.lm_dp)
+        return self.colocated and self.lm_pp == 1 and (self.vision_tp, self.vision_dp) == (self.lm_tp, self.lm_dp)
 
     @property
     def vision_cp(self):
@@ -83,7 +86,8 @@ class Layout:
     def brief(self):
         """One short line: the kind, each grid's sizes, a micro-batch other than 1."""
         lm = f"tp{self.lm_tp}" + "".join(f" {k}{v}" for k, v in (("cp", self.lm_cp), ("dp", self.lm_dp),
-                                                                  ("ep", self.lm_ep), ("etp", self.lm_etp)) if v > 1)
+                                                                  ("ep", self.lm_ep), ("etp", self.lm_etp),
+                                                                  ("pp", self.lm_pp)) if v > 1)
         mbs = f", micro-batch {self.micro_batch}" if self.micro_batch > 1 else ""
         if self.in_place:
             return f"in place: {lm}{mbs}"
@@ -119,8 +123,10 @@ def check_layout(lay, cfg):
     if bad:  # the checks below divide by these
         raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
                          + "".join(f"; {e}" for e in errors))
-    if lay.lm_pp != 1:
-        errors.append(f"language pp{lay.lm_pp}: this version supports pp = 1 only")
+    layers = len(cfg.hybrid_override_pattern)
+    if lay.lm_pp > layers:
+        errors.append(f"language pp{lay.lm_pp}: more stages than the model's {layers} layers (--lm-pp {layers} at "
+                      "most)")
     if cfg.seq_len % (2 * cp if cp > 1 else 1):   # cp.py's zigzag split
         errors.append(f"seq_len {cfg.seq_len} is not divisible by 2 x lm_cp = {2 * cp}: context parallelism cuts "
                       f"each row into 2 x cp equal chunks (--seq-len {cfg.seq_len // (2 * cp) * 2 * cp or 2 * cp} "
@@ -204,19 +210,21 @@ def named(cfg, world, given):
     colocated = given.pop("colocated", None)
     if colocated is None:
         colocated = "vision_tp" not in given and "vision_dp" not in given
-    s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1, lm_cp=1)
+    s = dict(vision_tp=1, vision_dp=None, lm_tp=1, lm_dp=None, lm_ep=1, lm_etp=1, lm_cp=1, lm_pp=1)
     s.update(given)
+    lane = s["lm_tp"] * s["lm_cp"] * s["lm_pp"]   # the language ranks of one data lane
     if colocated:
         s["vision_tp"] = given.get("vision_tp", s["lm_tp"])
-        s["lm_dp"] = s["lm_dp"] or world // (s["lm_tp"] * s["lm_cp"])
-        s["vision_dp"] = s["vision_dp"] or (s["lm_dp"] if s["vision_tp"] == s["lm_tp"] else world // s["vision_tp"])
+        s["lm_dp"] = s["lm_dp"] or world // lane
+        s["vision_dp"] = s["vision_dp"] or (s["lm_dp"] if s["vision_tp"] == s["lm_tp"] and s["lm_pp"] == 1 else
+                                            world // s["vision_tp"])
     elif s["vision_dp"] is None and s["lm_dp"] is None:
         raise SystemExit("bad parallel layout: a hetero layout needs --vision-dp or --lm-dp (the other is derived "
                          "from WORLD_SIZE)")
     elif s["vision_dp"] is None:
-        s["vision_dp"] = (world - s["lm_tp"] * s["lm_cp"] * s["lm_dp"]) // s["vision_tp"]
+        s["vision_dp"] = (world - lane * s["lm_dp"]) // s["vision_tp"]
     elif s["lm_dp"] is None:
-        s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // (s["lm_tp"] * s["lm_cp"])
+        s["lm_dp"] = (world - s["vision_tp"] * s["vision_dp"]) // lane
     return check_layout(Layout(world=world, colocated=bool(colocated), **s, micro_batch=cfg.micro_batch,
                                global_batch=cfg.global_batch), cfg)
 
@@ -231,31 +239,36 @@ def reference(cfg, world):
 def candidates(cfg, world, apart=True):
     """The valid layouts the chooser weighs on `world` ranks: the reference layout where there is one; colocated in
     place (one tp and cp for both modules, ep x etp over all ranks, dp the rest); each module its own lanes on the
-    shared ranks (the tower's own tp beside each in-place language grid without cp); hetero (the tower on the first
-    V ranks, any V, the language model on the rest, its tp and ep). tp stays within a node beyond in place, and a
-    micro-batch that does not split over the vision lanes is raised to the smallest that does. apart=False: the
-    reference and in place only (remedy()'s search over world sizes: thousands of splits at each)."""
+    shared ranks (the tower's own tp beside each language grid without cp, at pp 1 or in 2 to 8 pipeline stages);
+    hetero (the tower on the first V ranks, any V, the language model on the rest, its tp, pp and ep). tp stays
+    within a node beyond in place, and a micro-batch that does not split over the vision lanes is raised to the
+    smallest that does. apart=False: the reference and in place only (remedy()'s search over world sizes: thousands
+    of splits at each)."""
     def divisors(n, most=None):
         return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
 
-    def split(colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep=1, lm_etp=1, lm_cp=1):
+    def split(colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep=1, lm_etp=1, lm_cp=1, lm_pp=1):
         mbs = cfg.micro_batch
         if mbs * lm_dp % vision_dp:   # the smallest multiple of `step` that also divides the batch, if one does
             step = vision_dp // math.gcd(lm_dp, vision_dp)
             mbs = next((m for m in range(-(-mbs // step) * step, cfg.global_batch // lm_dp + 1, step)
                         if cfg.global_batch % (m * lm_dp) == 0), mbs)
-        return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp)
+        return Layout(world, colocated, vision_tp, vision_dp, lm_tp, lm_dp, lm_ep, lm_etp, mbs, cfg.global_batch, lm_cp,
+                      lm_pp)
 
     node, sizes = cost.GPUS_PER_NODE, divisors(world)
+    stages = [pp for pp in range(1, MAX_PP + 1) if pp <= len(cfg.hybrid_override_pattern)]
     language = [(tp, cp, ep, etp) for tp in sizes for cp in sizes for ep in sizes for etp in sizes
                 if world % (tp * cp) == 0 and world % (ep * etp) == 0]
     in_place = [split(True, tp, world // (tp * cp), tp, world // (tp * cp), ep, etp, cp)
                 for tp, cp, ep, etp in language]
-    own = [split(True, vtp, world // vtp, tp, world // tp, ep, etp) for tp, cp, ep, etp in language if cp == 1
-           for vtp in divisors(world, node) if vtp != tp and apart]
-    hetero = [split(False, vtp, v // vtp, tp, (world - v) // tp, ep) for v in range(1, world) if apart
-              for vtp in divisors(v, node) for tp in divisors(world - v, node) for ep in divisors(world - v)
-              if cfg.global_batch % ((world - v) // tp) == 0]                   # language dp divides the batch
+    own = [split(True, vtp, world // vtp, tp, world // (tp * pp), ep, etp, 1, pp) for tp, cp, ep, etp in language
+           if cp == 1 for pp in stages if world % (tp * pp) == 0 for vtp in divisors(world, node)
+           if (vtp != tp or pp > 1) and apart]
+    hetero = [split(False, vtp, v // vtp, tp, (world - v) // (tp * pp), ep, 1, 1, pp) for v in range(1, world) if apart
+              for vtp in divisors(v, node) for tp in divisors(world - v, node) for pp in stages
+              if (world - v) % (tp * pp) == 0 for ep in divisors(world - v)
+              if cfg.global_batch % ((world - v) // (tp * pp)) == 0]        # language dp divides the batch
     return [lay for lay in [reference(cfg, world)] + in_place + own + hetero if lay and valid(lay, cfg)]
 
 
@@ -302,10 +315,12 @@ def choose(cfg, world, capacity, cuda, say, strict):
 
 
 def rank(cfg, layouts, cuda=True):
-    """[(layout, cost.step_seconds)] fastest first; a tie goes to in place, then own lanes, then the smaller sizes."""
+    """[(layout, cost.step_seconds)] fastest first; a tie goes to in place, then own lanes, then fewer pipeline
+    stages, then the smaller sizes."""
     kinds = ("in place", "own lanes", "hetero")
     seconds = {lay: cost.step_seconds(cfg, lay, cuda) for lay in layouts}
-    return sorted(seconds.items(), key=lambda it: (round(it[1]["step"], 6), kinds.index(it[0].kind), it[0].lm_tp,
+    return sorted(seconds.items(), key=lambda it: (round(it[1]["step"], 6), kinds.index(it[0].kind), it[0].lm_pp,
+                                                   it[0].lm_tp,
                                                    it[0].lm_cp, it[0].lm_ep, it[0].lm_etp, it[0].vision_tp,
                                                    it[0].vision_size, it[0].micro_batch))
 
@@ -318,26 +333,30 @@ def table(ranked, plans, rows=8):
     shown = ranked[:rows] + [it for it in kinds.values() if it not in ranked[:rows]]
     out = [f"layouts that fit, by predicted step time on Hopper GPUs (cost.py; {len(ranked)} fit; the {rows} fastest "
            "and the fastest of each kind), seconds:",
-           "   step  vision  language  tail  peak GiB  layout"]
+           "   step  vision  language  tail  bubble  peak GiB  layout"]
     for lay, s in shown:
         peak = max(r["peak"] for r in plans[lay].values()) / memory.GIB
-        out.append(f"  {s['step']:5.2f}  {s['vision']:6.3f}  {s['language']:8.3f}  {s['tail']:4.2f}  {peak:8.1f}  "
-                   f"{lay.brief()}")
+        out.append(f"  {s['step']:5.2f}  {s['vision']:6.3f}  {s['language']:8.3f}  {s['tail']:4.2f}  "
+                   f"{100 * s['bubble']:5.0f}%  {peak:8.1f}  {lay.brief()}")
     return out
 
 
 def remedy(cfg, world, capacity, cuda):
     """What would make some layout fit, checked by the same plan: --activation-checkpointing if it is off and
-    enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would."""
-    def fits_somewhere(c, w):
-        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w, apart=False))
+    enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would. Larger
+    sizes are searched in place first (a few dozen candidates each, where the others are hundreds), then with
+    every candidate (pipelines among them) at the sizes below the one found."""
+    def fits_somewhere(c, w, apart=True):
+        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w, apart))
 
     if not cfg.activation_checkpointing and fits_somewhere(dataclasses.replace(cfg, activation_checkpointing=True),
                                                            world):
         return "--activation-checkpointing would fit"
     fixes = []
-    sizes = sorted({world * 2 ** k for k in range(1, 11)} | set(range(8, MAX_WORLD + 1, 8)))
-    more = next((w for w in sizes if world < w <= MAX_WORLD and fits_somewhere(cfg, w)), None)
+    sizes = [w for w in sorted({world * 2 ** k for k in range(1, 11)} | set(range(8, MAX_WORLD + 1, 8)))
+             if world < w <= MAX_WORLD]
+    in_place = next((w for w in sizes if fits_somewhere(cfg, w, apart=False)), None)
+    more = next((w for w in sizes if in_place and w < in_place and fits_somewhere(cfg, w)), in_place)
     if more:
         fixes.append(f"{more} such ranks would fit")
     if not cfg.lora_rank and fits_somewhere(dataclasses.replace(cfg, lora_rank=8), world):

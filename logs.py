@@ -213,6 +213,8 @@ class Log:
             sink.log(scalars, step)
 
     def eval(self, step, result):
+        if not self.on:   # the loss is known on the last pipeline stage only
+            return
         self.last["eval_loss"] = result["eval_loss"]
         self.say(f"eval step {step}: loss {result['eval_loss']:.4f} | ppl {result['eval_ppl']:.2f} | "
                  f"{result['eval_tokens']} tokens of {result['eval_samples']} samples")

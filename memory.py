@@ -1,6 +1,7 @@
-"""The memory plan: bytes per rank of weights, gradients, optimizer state and the activations of one micro-batch,
-for the vision and the language rank kinds of a layout (`train.py --dry-run [--world-size N]`), and the fit rule
-(required(), fits()) by which layout.py chooses a layout, or refuses one, before anything is built.
+"""The memory plan: bytes per rank of weights, gradients, optimizer state and the activations of the micro-batches
+in flight, for the vision and the language rank kinds of a layout, the latter per pipeline stage
+(`train.py --dry-run [--world-size N]`), and the fit rule (required(), fits()) by which layout.py chooses a layout,
+or refuses one, before anything is built.
 
 Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA, in bytes (optim.py):
   distributed optimizer        weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (fp32 main + moments)
@@ -14,8 +15,10 @@ Activations: what autograd keeps for backward, counted per layer from the code (
 radio.py), in bf16 with T = micro_batch x seq_len / cp tokens per language rank; with --activation-checkpointing
 only each layer's input plus one layer's worth during its recompute. MoE assumes balanced routing (T x k / tp rows
 a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
-Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers are
-persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
+Pipeline stages (model.stage_layers): a stage holds its layers' parameters (the first the embedding, the last
+norm_f, lm_head and MTP), its dp and edp domains are its own, and 1F1B keeps several micro-batches' activations
+(plan()). Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers
+are persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
 Set-up, apart (docs/memory.md §5): the weights plus one full-size fp32 draw of the largest language parameter (the
 tower and the adapters are drawn on the CPU); optim.build's buffers and main weights come after the draw is freed,
 in the training peak. Checked on the GPU by bench/memory_check.py and tests/test_gpu.py.
@@ -57,25 +60,45 @@ def sizing_model(cfg):
 
 @config.per_config
 def parameter_counts(cfg):
-    """({"vision" | "language": {(expert, etp-sharded, tp-sharded, trained): parameters}}, the language model's
-    largest parameter, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's plan
-    needs of the model. Cached: the layout chooser plans dozens of layouts of one cfg."""
-    modules, counts = sizing_model(cfg), {}
+    """({"vision": {(expert, etp-sharded, tp-sharded, trained): parameters}, "language": [(place, that group,
+    parameters)] a parameter each, place: its decoder layer, -1 for the embedding, the layer count for the rest
+    (norm_f, lm_head, MTP)}, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's
+    plan needs of the model. Cached: the layout chooser plans dozens of layouts of one cfg."""
+    modules, n = sizing_model(cfg), len(cfg.hybrid_override_pattern)
+    counts = {"vision": {}, "language": []}
     for kind, module in modules.items():
-        groups = counts[kind] = {}
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             kinds = comm.shard_kinds(p)
             g = ("ep" in kinds, "etp" in kinds, "tp" in kinds, p.requires_grad)
-            groups[g] = groups.get(g, 0) + p.numel()
-    return counts, max(p.numel() for p in modules["language"].parameters()), model.tower_trains(modules["vision"])
+            if kind == "vision":
+                counts[kind][g] = counts[kind].get(g, 0) + p.numel()
+            else:
+                place = (int(name.split(".")[2]) if name.startswith("backbone.layers.") else
+                         -1 if name.startswith("backbone.embeddings.") else n)
+                counts[kind].append((place, g, p.numel()))
+    return counts, model.tower_trains(modules["vision"])
 
 
-def local_parameters(cfg, lay):
-    """(module kind, expert, trained, parameters, data-parallel size) per parameter group of one rank of `lay`:
-    the local slice (/ tp, / (ep x etp) for experts) and the size of the group its gradient is summed over (its
-    optimizer domain: vision dp (x cp colocated), language dp x cp, edp)."""
+@config.per_config
+def stage_counts(cfg, pp):
+    """Per pipeline stage of pp (model.stage_layers): ({group: parameters} of the language parameters it holds,
+    its largest parameter). The embedding is on the first stage, norm_f, lm_head and MTP on the last."""
+    where = {i: s for s, r in enumerate(model.stage_layers(cfg, pp)) for i in r}
+    groups, largest = [{} for _ in range(pp)], [0] * pp
+    for place, g, numel in parameter_counts(cfg)[0]["language"]:
+        s = where.get(place, 0 if place < 0 else pp - 1)
+        groups[s][g] = groups[s].get(g, 0) + numel
+        largest[s] = max(largest[s], numel)
+    return list(zip(groups, largest))
+
+
+def local_parameters(cfg, lay, stage=0):
+    """(module kind, expert, trained, parameters, data-parallel size) per parameter group of one rank of `lay`
+    (of the language model, one of pipeline stage `stage`): the local slice (/ tp, / (ep x etp) for experts) and
+    the size of the group its gradient is summed over (its optimizer domain: vision dp (x cp colocated), the
+    stage's language dp x cp, its edp)."""
     counts = parameter_counts(cfg)[0]
-    for kind, groups in counts.items():
+    for kind, groups in (("vision", counts["vision"]), ("language", stage_counts(cfg, lay.lm_pp)[stage][0])):
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
         for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
             n = numel / (lay.lm_ep * (lay.lm_etp if etp_sharded else 1) if expert else tp if tp_sharded else 1)
@@ -83,16 +106,17 @@ def local_parameters(cfg, lay):
                                              else lay.lm_dp * lay.lm_cp)
 
 
-def parameter_bytes(cfg, lay, cuda=True):
+def parameter_bytes(cfg, lay, cuda=True, stage=0):
     """{"vision" | "language": {"weights", "gradients", "optimizer", "activations", "setup"}} bytes of one rank of
-    that module; activations: the bf16 copies autocast keeps of fp32 weights (plain AdamW on CUDA). setup: the
-    set-up peak (init.py): the weights, and for the language model the one full-size fp32 tensor of its largest
-    parameter's draw (on the device; the tower is drawn on the CPU)."""
+    that module (of the language model, one of pipeline stage `stage`); activations: the bf16 copies autocast
+    keeps of fp32 weights (plain AdamW on CUDA). setup: the set-up peak (init.py): the weights, and for the
+    language model the one full-size fp32 tensor of its (stage's) largest parameter's draw (on the device; the
+    tower is drawn on the CPU)."""
     distributed = cfg.distributed_optimizer
     out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "setup": 0.0}
            for kind in ("vision", "language")}
-    out["language"]["setup"] = 4 * parameter_counts(cfg)[1]   # the sizing model's are full size
-    for kind, expert, trained, n, d in local_parameters(cfg, lay):
+    out["language"]["setup"] = 4 * stage_counts(cfg, lay.lm_pp)[stage][1]   # the sizing model's are full size
+    for kind, expert, trained, n, d in local_parameters(cfg, lay, stage):
         b = out[kind]
         fp32 = trained and optim.fp32_weights(distributed, d, expert, cuda, cfg.activation_checkpointing)
         bf16 = distributed and cuda and not fp32
@@ -105,10 +129,13 @@ def parameter_bytes(cfg, lay, cuda=True):
     return out
 
 
-def language_activation_bytes(cfg, lay):
-    """Bytes autograd keeps for one micro-batch of one language rank, at the peak of its backward. Under context
-    parallelism a rank holds T / cp tokens, except for attention's gathered whole-row K and V, and the largest
-    exchange's send and receive buffers (cp.py) come on top."""
+def language_activation_bytes(cfg, lay, stage=0):
+    """(kept, passing): bytes one micro-batch of one language rank (of pipeline stage `stage`) keeps from its
+    forward to its backward, and bytes alive only while a backward runs (a layer's recompute, the logits' gradient,
+    cp's exchange buffers, the gradient of a stage's outputs). Under context parallelism a rank holds T / cp tokens,
+    except for attention's gathered whole-row K and V, and the largest exchange's send and receive buffers (cp.py).
+    A stage but the last keeps the outputs it sent on (pipeline.py) and receives their gradient; with MTP the
+    decoder input travels beside them, kept by every stage but the first (there it is the first layer's input)."""
     cp, checkpointing = lay.lm_cp, cfg.activation_checkpointing
     T, D, tp, etp = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
     d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
@@ -125,17 +152,25 @@ def language_activation_bytes(cfg, lay):
               + 2 * (T * K / tp) * etp * (2 * Z + 2 * cfg.moe_intermediate_size / etp)   # rows in, out; up, act
               + 2 * T * D / tp + 2 * T * D + latent),               # combined rows, all-gathered over tp
     }
-    depths = model.mtp_depths(cfg)   # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
-    layers = [block + mixer[k] for k in cfg.hybrid_override_pattern + cfg.mtp_pattern * depths]
-    saved = len(layers) * 2 * T * D + max(layers) if checkpointing else sum(layers)   # checkpointing: each layer's
-    chunked = checkpointing and T > model.CE_CHUNK       # input + the one being recomputed; model.loss_sum's chunks
+    first, last = stage == 0, stage == lay.lm_pp - 1
+    r = model.stage_layers(cfg, lay.lm_pp)[stage]
+    pattern, mtp = cfg.hybrid_override_pattern[r.start:r.stop], model.mtp_depths(cfg)
+    depths = mtp if last else 0      # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
+    layers = [block + mixer[k] for k in pattern + cfg.mtp_pattern * depths]
+    kept = len(layers) * 2 * T * D if checkpointing else sum(layers)   # checkpointing: each layer's input, and
+    recompute = max(layers) if checkpointing else 0                    # the one being recomputed
+    # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V
+    exchange = 2 * 2 * T * max((2 * d_in + 2 * gn + H) * ("M" in pattern), cp * 2 * nkv * hd * ("*" in pattern)) \
+        / tp if cp > 1 else 0
+    stream = 2 * T * D * (1 + (mtp > 0))   # what a stage sends on: the residual stream (and the decoder input)
+    if not last:
+        return kept + 2 * T * D + 2 * T * D * (mtp > 0 and not first), recompute + stream + exchange
+    chunked = checkpointing and T > model.CE_CHUNK       # model.loss_sum's chunks
     logits = 2 * (model.CE_CHUNK if chunked else T) * cfg.vocab_size / tp
     head = 2 * 2 * T * D + (0 if chunked else logits + 8 * T)   # norm_f and lm_head inputs (logits, lse: unchunked)
-    # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V
-    exchange = 2 * 2 * T * max((2 * d_in + 2 * gn + H) * ("M" in cfg.hybrid_override_pattern),
-                               cp * 2 * nkv * hd * ("*" in cfg.hybrid_override_pattern)) / tp if cp > 1 else 0
     # + the logits' gradient at backward (chunked: with the recomputed chunk's logits)
-    return saved + (1 + depths) * head + depths * 2 * T * 3 * D + (2 if chunked else 1) * logits + exchange
+    return (kept + (1 + depths) * head + depths * 2 * T * 3 * D + 2 * T * D * (mtp > 0 and not first),
+            recompute + (2 if chunked else 1) * logits + exchange)
 
 
 def vision_items(cfg):
@@ -159,7 +194,7 @@ def vision_tokens(cfg, lay):
 
 def tower_trains(cfg):
     """Whether the tower runs a backward (and so keeps activations, and on tp > 1 all-reduces its gradients)."""
-    return parameter_counts(cfg)[2]
+    return parameter_counts(cfg)[1]
 
 
 def vision_activation_bytes(cfg, lay):
@@ -175,22 +210,34 @@ def vision_activation_bytes(cfg, lay):
 
 
 def plan(cfg, lay, cuda=True):
-    """{"vision" | "language": {weights, gradients, optimizer, activations, peak}} bytes per rank kind; colocated:
-    both modules on every rank, both kinds the same. The encoder keeps two micro-batches' activations while a
-    language one's are gone (schedule.py's 1F1B: its forward of k + 1 runs before its backward of k); in place, the
-    language backward runs the encoder's, so it keeps one beside the language model's."""
-    rows = parameter_bytes(cfg, lay, cuda)   # setup: apart from the training peak
-    vision, language = vision_activation_bytes(cfg, lay), language_activation_bytes(cfg, lay)
-    if lay.colocated:
-        both = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
-        both["activations"] += vision + language if lay.in_place else max(2 * vision, vision + language)
-        rows = {"vision": both, "language": dict(both)}
-    else:
-        rows["vision"]["activations"] += 2 * vision
-        rows["language"]["activations"] += language
-    for r in rows.values():
+    """{row: {weights, gradients, optimizer, activations, setup, peak}} bytes per rank kind: "vision" and
+    "language", or with pipeline stages "language pp0", "language pp1", ... (colocated: both modules on every rank,
+    each row both; at pp 1 the two rows the same, beyond it one a stage). 1F1B (schedule.py): stage s of p keeps
+    the activations of min(p - s, n) of the n micro-batches, the encoder min(p + 1, n) (it runs p forwards ahead);
+    in place, the language backward runs the encoder's, so it keeps one beside the language model's; on its own
+    lanes, one more while its next forward runs before the language model's."""
+    p, n = lay.lm_pp, lay.num_microbatches
+    vision, out = vision_activation_bytes(cfg, lay), {}
+    for s in range(p):
+        rows = parameter_bytes(cfg, lay, cuda, s)   # setup: apart from the training peak
+        kept, passing = language_activation_bytes(cfg, lay, s)
+        language = min(p - s, n) * kept + passing
+        if lay.colocated:
+            row = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
+            row["activations"] += vision + language if lay.in_place else max(
+                min(p + 1, n) * vision + min(p - s - 1, n - 1) * kept, min(p, n) * vision + language)
+            if p == 1:
+                out["vision"] = dict(row)
+        else:
+            row = rows["language"]
+            row["activations"] += language
+            if s == 0:
+                rows["vision"]["activations"] += min(p + 1, n) * vision
+                out["vision"] = rows["vision"]
+        out["language" if p == 1 else f"language pp{s}"] = row
+    for r in out.values():
         r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"]
-    return rows
+    return out
 
 
 def capacity(device):
@@ -232,15 +279,20 @@ def dry_run(cfg, lay, capacity, predicted):
     print(f"memory plan per rank on CUDA ({opt}; micro-batch {lay.micro_batch} x seq_len {cfg.seq_len}, "
           f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; setup: the set-up peak, "
           f"the weights and one full-size fp32 draw, over before the first step), GiB:")
+    if lay.colocated and lay.lm_pp > 1:
+        print("  (each rank holds the tower and its language stage: each row both)")
+    width = max(map(len, rows))
     for kind, r in rows.items():
-        print(f"  {kind:8s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
+        print(f"  {kind:{width}s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
+    stages = f" (the slowest of {lay.lm_pp} stages)" if lay.lm_pp > 1 else ""
     print(f"predicted on Hopper GPUs (cost.py): {predicted['step']:.2f} s a step (a micro-batch: vision "
-          f"{predicted['vision']:.3f} s, language {predicted['language']:.3f} s; tail {predicted['tail']:.3f} s)")
+          f"{predicted['vision']:.3f} s, language {predicted['language']:.3f} s{stages}; tail {predicted['tail']:.3f} "
+          f"s; bubble {100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
     print(f"against {capacity / GIB:.1f} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of it, "
           f"the set-up peak {100 * SETUP_SHARE:.0f} %):")
     for kind, r in rows.items():
-        print(f"  {kind:8s} {'fits' if fit[kind] else 'does NOT fit'} {capacity / GIB:.1f} GiB: peak "
+        print(f"  {kind:{width}s} {'fits' if fit[kind] else 'does NOT fit'} {capacity / GIB:.1f} GiB: peak "
               f"{r['peak'] / GIB:.2f} GiB ({100 * r['peak'] / capacity:.0f} %), setup {r['setup'] / GIB:.2f} GiB "
               f"({100 * r['setup'] / capacity:.0f} %)")
     print(json.dumps({"params_total": total_lm + total_mtp + n_vision, "params_active": active_lm + n_vision,

@@ -160,32 +160,41 @@ class VocabEmbedding(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg, groups=None, dispatcher="alltoall"):
+    """The decoder, or with stage = (s, p) its pipeline stage s of p (stage_layers): the layers of that stage under
+    their global names (backbone.layers.{i}), the embedding on the first stage, norm_f, the head and MTP on the last."""
+
+    def __init__(self, cfg, groups=None, dispatcher="alltoall", stage=(0, 1)):
         super().__init__()
         groups = groups or {}
         self.cfg, self.tp_group, self.cp_group = cfg, groups.get("tp"), groups.get("cp")
         tp = comm.group_size(self.tp_group)
         if cfg.vocab_size % tp:
             raise ValueError(f"vocab_size {cfg.vocab_size} is not divisible by tp {tp}")
+        self.first, self.last = stage[0] == 0, stage[0] == stage[1] - 1
         self.backbone = nn.Module()
-        self.backbone.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp_group)
-        self.backbone.layers = nn.ModuleList(Block(k, cfg, groups, dispatcher) for k in cfg.hybrid_override_pattern)
-        self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
-        comm.mark_shard(self.lm_head.weight, ("tp", 0, None))
-        if cfg.num_nextn_predict_layers:
-            self.mtp = MTP(cfg, groups, dispatcher)
+        if self.first:
+            self.backbone.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp_group)
+        self.backbone.layers = nn.ModuleDict({str(i): Block(cfg.hybrid_override_pattern[i], cfg, groups, dispatcher)
+                                              for i in stage_layers(cfg, stage[1])[stage[0]]})
+        if self.last:
+            self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
+            comm.mark_shard(self.lm_head.weight, ("tp", 0, None))
+            if cfg.num_nextn_predict_layers:
+                self.mtp = MTP(cfg, groups, dispatcher)
         self.checkpoint_layers = cfg.activation_checkpointing
 
     def embed(self, input_ids):
         return self.backbone.embeddings(input_ids)
 
     def forward(self, h_BMD, seq_idx=None, valid=None):
-        """Embedded input (image rows already placed) -> final normed hidden states. seq_idx [B, L]: document ids
-        of packed rows; valid [B, M]: False on padding, which MoE layers neither count nor balance."""
+        """Embedded input (image rows already placed), or the previous stage's output -> final normed hidden
+        states (the last stage's; before norm_f on the others). seq_idx [B, L]: document ids of packed rows;
+        valid [B, M]: False on padding, which MoE layers neither count nor balance."""
         if torch.is_autocast_enabled(h_BMD.device.type):  # residual stream in bf16 (residual_in_fp32 false)
             h_BMD = h_BMD.to(torch.get_autocast_dtype(h_BMD.device.type))
-        return self.backbone.norm_f(self._layers(self.backbone.layers, h_BMD, seq_idx, valid))
+        h_BMD = self._layers(self.backbone.layers.values(), h_BMD, seq_idx, valid)
+        return self.backbone.norm_f(h_BMD) if self.last else h_BMD
 
     def _layers(self, layers, h_BMD, seq_idx, valid):
         for layer in layers:
@@ -411,6 +420,45 @@ def count_language_params(cfg, mtp=False):
 
 
 # ---------------------------------------------------------------- FLOPs (for throughput and MFU)
+
+@config.per_config
+def layer_flops_per_token(cfg, seq_len):
+    """Training FLOPs per token of each decoder layer (the pattern's order) and of the rest (the head, MTP):
+    lm_flops_per_token's terms, per layer."""
+    with torch.device("meta"):
+        params = {k: sum(p.numel() for p in Block(k, cfg, {}, "alltoall").parameters())
+                  for k in set(cfg.hybrid_override_pattern)}
+    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * 2 * (cfg.moe_latent_size or cfg.hidden_size) \
+        * cfg.moe_intermediate_size
+    extra = {"*": 3 * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim, "M": ssd_flops_per_token(cfg)}
+    layers = [6 * (params[k] - idle * (k == "E")) + extra.get(k, 0) for k in cfg.hybrid_override_pattern]
+    return layers, lm_flops_per_token(cfg, seq_len) - sum(layers)
+
+
+@config.per_config
+def stage_layers(cfg, pp):
+    """The decoder's layers of each of `pp` pipeline stages: contiguous ranges, at least one layer each, that
+    make the slowest stage's training FLOPs (the last stage's with the head and MTP) as small as can be."""
+    if pp == 1:
+        return [range(len(cfg.hybrid_override_pattern))]
+    layers, head = layer_flops_per_token(cfg, cfg.seq_len)
+    n = len(layers)
+    sums = [0] + [sum(layers[:i + 1]) for i in range(n)]
+    # best[s][i]: the slowest of s stages over the first i layers, the cheapest split; cut[s][i]: its last start
+    best = [[0.0] + [math.inf] * n] + [[math.inf] * (n + 1) for _ in range(pp)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    for s in range(1, pp + 1):
+        for i in range(s, n - (pp - s) + 1):
+            for j in range(s - 1, i):
+                w = max(best[s - 1][j], sums[i] - sums[j] + head * (s == pp and i == n))
+                if w < best[s][i]:
+                    best[s][i], cut[s][i] = w, j
+    stops, i = [], n
+    for s in range(pp, 0, -1):
+        stops.append(i)
+        i = cut[s][i]
+    bounds = [0] + stops[::-1]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 def lm_flops_per_token(cfg, seq_len):
     """Training FLOPs (fwd + bwd = 3 x fwd) per token of the language model.

@@ -88,7 +88,8 @@ class ModuleGroups:
     cp: object = None                           # language only
     dp_cp: object = None                        # dense gradient reduction domain
     tp_cp: object = None                        # language only: a lane's bridge broadcast
-    tp_dp_cp: object = None                     # language only: MoE expert-bias token counts
+    tp_dp_cp: object = None                     # language only: MoE expert-bias token counts (a stage's)
+    pp: object = None                           # language only: a rank and its peers in the other stages
     ep: object = None                           # expert view (language only)
     etp: object = None
     edp: object = None                          # expert gradient reduction domain
@@ -120,7 +121,8 @@ class ModuleGroups:
 
     def identity(self):
         cp = f" cp{self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
-        s = f"{self.name} tp{self.tp_rank}/{self.tp_size}{cp} dp{self.dp_rank}/{self.dp_size}"
+        pp = f" pp{self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else ""
+        s = f"{self.name} tp{self.tp_rank}/{self.tp_size}{cp} dp{self.dp_rank}/{self.dp_size}{pp}"
         if self.name == "lm":
             s += (f" ep{self.ep_rank}/{self.ep_size} etp{self.etp_rank}/{self.etp_size}"
                   f" edp{self.edp_rank}/{self.edp_size}")
@@ -155,14 +157,14 @@ def one_device():
 
 
 VISION_GROUPS = ["tp", "dp-cp"]
-LM_GROUPS = ["tp", "cp", "dp-cp", "tp-cp", "tp-dp-cp"]
+LM_GROUPS = ["tp", "cp", "dp-cp", "tp-cp", "tp-dp-cp", "pp"]
 EXPERT_GROUPS = ["ep", "etp", "edp"]
 
 
 def setup(lay, cfg=None):
     """Build both grids and create the groups the code uses on EVERY rank (new_group is collective over WORLD),
     after init_process_group. Creation order is fixed (docs/parallel.md §5): VISION_GROUPS, LM_GROUPS, EXPERT_GROUPS,
-    the bridge group (no embedding groups: with pp = 1 they would be singletons). Identical rank lists share one group
+    the bridge group (no embedding groups: the head is untied, and MTP gets the decoder input from the first stage). Identical rank lists share one group
     object (colocated grids, size-1 dims): every rank computes the same lists, so the sequence of new_group calls is
     still identical everywhere. With cfg every group gets torch's timeout watchdog.backstop(cfg.collective_timeout);
     each group is named for watchdog's messages."""
@@ -204,8 +206,8 @@ def setup(lay, cfg=None):
     fill(par.lm, "lm", lgrid, LM_GROUPS)
     fill(par.lm, "lm", egrid, EXPERT_GROUPS)       # same ranks, expert coordinates
     if not lay.in_place:
-        # the lane broadcast groups (docs/parallel.md §6) are vision tp (vision cp = 1 here) and language tp-cp
-        # (pp = 1), created above
+        # the lane broadcast groups (docs/parallel.md §6) are vision tp (vision cp = 1 here) and the first stage's
+        # language tp-cp, created above: the rows go to the first stage (lanes(lgrid)[j][0] is its tp 0 cp 0)
         leaders = sorted({lane[-1] for lane in lanes(vgrid)} | {lane[0] for lane in lanes(lgrid)})
         par.bridge = create("bridge", [leaders])
     return par

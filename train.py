@@ -51,6 +51,7 @@ import resume
 import vlm
 import watchdog
 from bridge import Bridge
+from pipeline import Pipe
 from radio import VisionModel
 from schedule import Schedule
 
@@ -65,7 +66,7 @@ class Run:
     lay: layout.Layout
     par: object                          # parallel.setup(): this rank's groups and coordinates
     device: torch.device
-    log_rank: bool                       # language lane lead of dp 0 prints (it knows the loss)
+    log_rank: bool                       # language lane lead of dp 0 prints (the last stage: it knows the loss)
     own_group: bool                      # we created the process group (tests call main() inside one)
     vision: VisionModel = None
     lm: model.LanguageModel = None
@@ -75,7 +76,7 @@ class Run:
     train_loader: data.Loader = None
     eval_set: data.EvalSet = None        # the fixed samples every evaluation scores
     eval_loader: data.Loader = None
-    schedule: Schedule = None            # the order of the micro-batches' work around the bridge
+    schedule: Schedule = None            # the order of the micro-batches' work around the bridge and the pipe
     counters: dict = None                # step, good_steps, consumed_samples, skipped (checkpoint.FRESH)
 
     @property
@@ -165,7 +166,7 @@ def setup(cfg, inv, lay, start, device):
                     "the mock task's evaluation set (seed + 1)" if cfg.data == "mock" else
                     f"the held-out --eval-frac {cfg.eval_frac} of --data {cfg.data}")
             print(f"--eval-only: scoring {run.eval_set.n} samples of {what}", flush=True)
-    run.schedule = Schedule(Bridge(par, device))
+    run.schedule = Schedule(Bridge(par, device), Pipe(par, cfg, device) if par.in_lm else None)
     run.counters = dict(checkpoint.FRESH)
     if start.load is not None:  # any saved layout; resumes weights, AdamW, counters, RNG and data position
         run.counters = comm.on_every_rank(  # one rank's error (its rank json) ends every rank
@@ -202,9 +203,11 @@ def work(run, samples, mtp_weights=()):
     def encode(k):
         return vlm.encode(run.vision, samples(k, "vision"), cfg)
 
-    def language(k, rows, per_sample):
+    def language(k, rows, per_sample, received):
         parts = vlm.language_loss(run.lm, rows, per_sample, samples(k, "lm"), cfg, (par.lm.cp_rank, par.lm.cp_size),
-                                  mtp=bool(mtp_weights))
+                                  bool(mtp_weights), received)
+        if not run.lm.last:   # a pipeline stage's outputs, to send on
+            return None, parts
         return parts, parts.sum + sum(w * m for w, m in zip(mtp_weights, parts.mtp))
     return encode if run.vision is not None else None, language if run.lm is not None else None
 
@@ -227,13 +230,14 @@ def lane_counts(samples, depths=0):
               for k in range(1, 1 + depths)]]
 
 
-def reduce_loss(run, sums):
-    """The sum of a language lane's loss sums (tensors) over all lanes and cp ranks (0.0 off language)."""
-    if run.lm is None:
-        return 0.0
+def reduce_loss(run, sums, n):
+    """The sum of a language lane's loss sums (tensors) over all lanes and cp ranks, over n tokens (None but on the
+    language model's last pipeline stage)."""
+    if run.lm is None or not run.lm.last:
+        return None
     total = sum(sums, torch.zeros((), device=run.device))
     dist.all_reduce(total, group=run.par.lm.dp_cp)
-    return total.item()
+    return total.item() / max(n, 1)
 
 
 def train_step(run, step, stop, first=False):
@@ -264,7 +268,7 @@ def train_step(run, step, stop, first=False):
     if lm is not None:
         moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
     parts = run.schedule.train(n_micro, *work(run, samples, weights), stop, lambda k: watchdog.mark(
-        f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first))
+        f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first), mtp=bool(weights))
     if parts is None:
         failsafe.abandon_step(run.modules, run.opt, run.train_loader, base, rng)
         return None
@@ -285,8 +289,8 @@ def train_step(run, step, stop, first=False):
     c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
     run.opt.zero_grad()
-    loss = reduce_loss(run, [p.sum.detach().float() for p in parts]) / max(n_global, 1)
-    mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts]) / max(n, 1)   # logged apart, per depth
+    loss = reduce_loss(run, [p.sum.detach().float() for p in parts], n_global)
+    mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts], n)   # logged apart, per depth
            for d, n in enumerate(n_mtp)]
     # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
     flops = sum(vlm.flops(cfg, ours[side], side, trains) for side, m, trains in (
@@ -294,9 +298,9 @@ def train_step(run, step, stop, first=False):
         if m is not None and m.lane_lead)
     if run.device.type == "cuda":
         torch.cuda.synchronize()
-    return {"step": step + 1, "loss": loss if lm is not None else None, "grad_norm": norm, "lr": lr, "ok": ok,
+    return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "ok": ok,
             "tokens": n_real, "step_time_s": time.perf_counter() - t0,
-            **({"mtp_loss": mtp} if mtp and lm is not None else {})}, {"flops": flops, "expert_counts": expert_counts}
+            **({"mtp_loss": mtp} if mtp and loss is not None else {})}, {"flops": flops, "expert_counts": expert_counts}
 
 
 def evaluate(run, stop, first=False):
@@ -322,8 +326,8 @@ def evaluate(run, stop, first=False):
     if parts is None:
         return None
     n, = global_token_count(run.par, [sum(p.tokens for p in parts)])
-    loss = reduce_loss(run, [p.sum.float() for p in parts]) / max(n, 1)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n,
+    loss = reduce_loss(run, [p.sum.float() for p in parts], n)
+    return {"eval_loss": loss, "eval_ppl": None if loss is None else math.exp(min(loss, 50.0)), "eval_tokens": n,
             "eval_samples": run.eval_set.n}
 
 
@@ -340,10 +344,13 @@ def evaluate_only(run, stop):
 
 def step_record(run, h, local, log):
     """The step's log record from its history entry and train_step's local values (every rank takes part)."""
-    cfg, world, tokens = run.cfg, dist.get_world_size(), h["tokens"]
-    per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, and its FLOPs
-    dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"]))
-    h["model_flops"] = sum(f for _, f in per_rank)
+    cfg, world, tokens, m = run.cfg, dist.get_world_size(), h["tokens"], run.par.lm
+    moe_due = cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0
+    counts = local["expert_counts"]   # each pipeline stage's (its tp 0, cp 0, dp 0 rank's)
+    mine = counts.cpu() if moe_due and counts is not None and m.tp_rank == m.cp_rank == m.dp_rank == 0 else None
+    per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, its FLOPs, MoE counts
+    dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"], mine))
+    h["model_flops"] = sum(f for _, f, _ in per_rank)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), logs.peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
@@ -352,9 +359,10 @@ def step_record(run, h, local, log):
            "step_time_s": dt, "elapsed_s": elapsed,
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
-           "peak_mem_gib_per_rank": [m for m, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}
-    if local["expert_counts"] is not None and cfg.moe_stats_every and (h["step"] - 1) % cfg.moe_stats_every == 0:
-        rec["moe"] = logs.moe_stats(local["expert_counts"])
+           "peak_mem_gib_per_rank": [g for g, _, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}
+    stages = [c for _, _, c in per_rank if c is not None]   # in rank order: the stages' layers in order
+    if stages:
+        rec["moe"] = logs.moe_stats(torch.cat(stages))
     return rec
 
 

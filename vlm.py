@@ -46,20 +46,29 @@ class LossParts(NamedTuple):
     tokens: int           # loss tokens of the samples
 
 
-def language_loss(lm, rows, per_sample, samples, cfg, cp_at=(0, 1), mtp=False):
+def language_loss(lm, rows, per_sample, samples, cfg, cp_at=(0, 1), mtp=False, received=None):
     """The samples' token losses given their image rows (encode's, or the bridge's) -> LossParts. cp_at: (cp rank,
-    cp size) of this rank (cp.py); mtp: also the MTP depths' losses (training only)."""
-    device = lm.lm_head.weight.device
+    cp size) of this rank (cp.py); mtp: also the MTP depths' losses (training only). A pipeline stage of the model
+    (model.LanguageModel's stage) runs its part: the first embeds the tokens and places the rows, a later one starts
+    from `received` (the previous stage's outputs); a stage but the last returns its outputs to send on instead:
+    [hidden states], with mtp [hidden states, the decoder input] (the last stage's MTP blocks read it)."""
+    device = next(lm.parameters()).device
     ids, labels, seq_idx, valid = data.collate_text(samples)
     tokens = int(labels.ne(-100).sum())
     ids_dev, labels_BL, seq_idx, valid = (None if t is None else model.host_to_device(t, device) for t in
                                           (cp.local(ids, *cp_at), labels, seq_idx,   # labels (MTP): whole rows
                                            None if valid is None else cp.local(valid, *cp_at)))
     with autocast(device):  # seq_idx: document ids of packed rows; valid: False on padding
-        h = inputs(lm, ids_dev, ids, rows, per_sample, cfg, cp_at)
-        if not rows.numel() and torch.is_grad_enabled():  # text only: an exact 0 ties the loss to the (empty)
-            h = h + rows.requires_grad_().sum()  # rows, so a frozen language model still runs the backward (and
-        hidden = lm(h, seq_idx, valid)            # its collectives) that every lane runs
+        if lm.first:
+            h = inputs(lm, ids_dev, ids, rows, per_sample, cfg, cp_at)
+            if not rows.numel() and torch.is_grad_enabled():  # text only: an exact 0 ties the loss to the (empty)
+                h = h + rows.requires_grad_().sum()  # rows, so a frozen language model still runs the backward (and
+            x = h                                     # its collectives) that every lane runs
+        else:
+            x, h = received if mtp else (received[0], None)
+        hidden = lm(x, seq_idx, valid)
+        if not lm.last:
+            return [hidden, h.to(hidden.dtype)] if mtp else [hidden]
         s, _ = lm.loss_sum(hidden, cp.local(labels_BL, *cp_at))
         depths = lm.mtp_losses(hidden, h, labels_BL, seq_idx, valid) if mtp else []
     return LossParts(s, depths, tokens)

@@ -37,6 +37,13 @@ LAYOUTS = {   # name: train.py's grid flags (none: the chooser's)
     "inplace-tp2ep2etp2": ["--colocated", "--lm-tp", "2", "--lm-ep", "2", "--lm-etp", "2"],
     "shared-vtp4-ltp2ep4": ["--colocated", "--vision-tp", "4", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "4"],
     "inplace-tp4ep4": ["--colocated", "--lm-tp", "4", "--lm-ep", "4"],
+    # pipeline stages (docs/pipeline.md): the tower on its own lanes at tp2, the language model in two stages of dp2
+    # ep2, or four of ep1 (no all-to-all); the chooser's pick and pp2 again with 16 samples a step (the bubble)
+    "shared-vtp2-pp2ep2": ["--colocated", "--vision-tp", "2", "--lm-pp", "2", "--lm-ep", "2"],
+    "shared-vtp4-pp4": ["--colocated", "--vision-tp", "4", "--lm-pp", "4"],
+    "chosen-gb16": ["--global-batch", "16"],
+    "shared-vtp2-pp2ep2-gb16": ["--colocated", "--vision-tp", "2", "--lm-pp", "2", "--lm-ep", "2", "--global-batch",
+                                "16"],
 }
 CONFIGS = {f"20l-stage{stage}-{name}": (4, L20 + flags + ["--stage", str(stage)])   # name: (GPUs, arguments)
            for stage in (2, 3) for name, flags in LAYOUTS.items()}

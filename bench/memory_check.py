@@ -40,9 +40,13 @@ CONFIGS = {   # name: (GPUs, train.py arguments)
 
 
 def kinds_of_ranks(argv, world):
-    """["vision" | "language" | "both"] per rank of this layout."""
+    """The memory plan's row of each rank of this layout (memory.plan): "vision", "language" or with pipeline
+    stages "language pp{s}"; colocated without stages "both" (either row)."""
     lay = layout.plan(cli.config_of(argv), world)
-    return ["both" if lay.colocated else "vision" if r < lay.vision_size else "language" for r in range(world)]
+    stage = lay.lm_tp * lay.lm_cp * lay.lm_dp   # ranks a pipeline stage spans (parallel.lm_grid)
+    return ["vision" if not lay.colocated and r < lay.vision_size else
+            f"language pp{(r - lay.lm_offset) // stage}" if lay.lm_pp > 1 else "both" if lay.colocated else "language"
+            for r in range(world)]
 
 
 def check(name, gpus, argv, steps):
@@ -59,7 +63,7 @@ def check(name, gpus, argv, steps):
     measured = recs[-1]["peak_mem_gib_per_rank"]
     rows = {}
     for kind, m in zip(kinds_of_ranks(argv, gpus), measured):
-        key = "language" if kind in ("both", "language") else "vision"
+        key = "language" if kind == "both" else kind
         rows[key] = max(rows.get(key, 0.0), m)
     return {"name": name, "gpus": gpus, "argv": " ".join(argv), "loss": [r["loss"] for r in recs],
             "kinds": {k: {"plan_gib": plan[k], "measured_gib": v, "ratio": v / plan[k]} for k, v in rows.items()}}

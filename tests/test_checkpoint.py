@@ -1,5 +1,6 @@
 """Checkpoints on CPU gloo ranks: bit-exact resume (sync; async + SIGTERM), crash safety, resharding (tp2 ep2 on 4
-ranks -> 1 process), errors that name file and tensor, export of a trained sharded checkpoint, --eval-only."""
+ranks -> 1 process; across pipeline stages: pp2 -> pp1, pp4, one process, pp1 -> pp2, tp2 ep2 pp2 -> pp2), errors
+that name file and tensor, export of a trained sharded checkpoint, --eval-only."""
 import dataclasses
 import json
 import math
@@ -25,6 +26,7 @@ import parallel
 import radio
 import train
 from tests.spawn import run_distributed
+from tests.test_failsafe import warm_imports  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --lr-decay-iters 6: a 3-step run follows the LR schedule of the 6-step one
@@ -267,3 +269,112 @@ def test_resume_across_the_three_kinds_of_layout(tmp_path):
                                                            str(tmp_path / ("to-" + name.replace(" ", "-")))])
         (loss,) = {h[0] for h, _ in ranks if h[0] is not None}
         assert abs(loss - straight[2]) < 1e-5, (name, loss, straight)
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+def PP(n):
+    """Hetero with n language pipeline stages: vision on rank 0, stage s on rank 1 + s (1 + n ranks)."""
+    return TINY + ["--vision-dp", "1", "--lm-dp", "1", "--lm-pp", str(n)]
+
+
+def _whole(ranks):
+    """{full name: tensor} of the whole model, from _train's per-rank results (each rank holds its stage's part)."""
+    out = {}
+    for _, state in ranks:
+        assert not set(state) & set(out), "two ranks hold one tensor"
+        out.update(state)
+    return out
+
+
+def assert_close(a, b, atol=1e-6):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k] - b[k]).abs().max() <= atol, k
+
+
+@pytest.fixture(scope="module")
+def pp_straight():
+    """3 steps of hetero pp2 on 3 ranks that never stopped: (the last stage's losses, the whole model)."""
+    ranks = run_distributed(_train, 3, PP(2) + ["--steps", "3"])
+    return ranks[-1][0], _whole(ranks)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_resumes_at_any_pp(pp_straight, tmp_path):
+    """Saved after 2 steps of hetero pp2: each stage writes files of its own, which one process loads exactly;
+    step 3 on the same layout is bit-exact, on 1 stage (2 ranks) and on 4 (5 ranks, tiny's 8 layers 2 a stage)
+    it equals the straight run (loss to 1e-5; weights to 1e-6)."""
+    losses, weights = pp_straight
+    save = str(tmp_path / "pp2")
+    first = run_distributed(_train, 3, PP(2) + ["--steps", "2", "--save", save])
+    step_dir = os.path.join(save, "step_00000002")
+    assert sorted(f for f in os.listdir(step_dir) if f.endswith(".safetensors")) == [
+        f"{kind}.{shard}.safetensors" for kind in ("model", "optim") for shard in (
+            "language.pp0-ep0-etp0", "language.pp0-tp0", "language.pp1-ep0-etp0", "language.pp1-tp0", "vision.tp0")]
+    tensors = json.load(open(os.path.join(step_dir, "meta.json")))["tensors"]
+    stages = model.stage_layers(config.resolve("tiny"), 2)
+    assert tensors["language.backbone.embeddings.weight"]["pp"] == 0 and tensors["language.lm_head.weight"]["pp"] == 1
+    assert tensors[f"language.backbone.layers.{stages[1][0]}.norm.weight"]["pp"] == 1
+    assert all("pp" not in spec for name, spec in tensors.items() if name.startswith("vision."))
+    (counters, full, state), = run_distributed(_load_one_process, 1, save, 2)
+    assert counters["step"] == 2
+    assert_same(full, _whole(first))
+    assert state["language.lm_head.weight"]["step"] == 2 and "language.backbone.embeddings.weight" in state
+
+    for n in (2, 1, 4):
+        ranks = run_distributed(_train, 1 + n, PP(n) + ["--steps", "3", "--load", save, "--save",
+                                                        str(tmp_path / f"to-pp{n}")])
+        assert all(h == [None] for h, _ in ranks[:-1])   # the loss is known on the last stage only
+        if n == 2:   # the same layout: RNG restored, every rank's tensors bit-exact
+            assert first[-1][0] + ranks[-1][0] == losses
+            assert_same(_whole(ranks), weights)
+        else:
+            assert abs(ranks[-1][0][0] - losses[2]) < 1e-5, (n, ranks[-1][0], losses)
+            assert_close(_whole(ranks), weights)
+
+
+@pytest.mark.slow
+def test_one_stage_checkpoint_resumes_in_a_pipeline(pp_straight, tmp_path):
+    """Saved after 2 steps of hetero pp1 (2 ranks): the format without stages (no pp in names or specs); step 3 on
+    hetero pp2 equals the straight pp2 run."""
+    losses, weights = pp_straight
+    save = str(tmp_path / "pp1")
+    run_distributed(_train, 2, PP(1) + ["--steps", "2", "--save", save])
+    step_dir = os.path.join(save, "step_00000002")
+    assert sorted(f for f in os.listdir(step_dir) if f.startswith("model.")) == [
+        "model.language.ep0-etp0.safetensors", "model.language.tp0.safetensors", "model.vision.tp0.safetensors"]
+    assert all("pp" not in spec for spec in json.load(open(os.path.join(step_dir, "meta.json")))["tensors"].values())
+    ranks = run_distributed(_train, 3, PP(2) + ["--steps", "3", "--load", save])
+    assert abs(ranks[-1][0][0] - losses[2]) < 1e-5, (ranks[-1][0], losses)
+    assert_close(_whole(ranks), weights)
+
+
+@pytest.mark.slow
+def test_pipeline_with_tp_and_ep_reshards(pp_straight, tmp_path):
+    """Colocated tp2 ep2 pp2 on 4 ranks (each stage's tp, ep slices in files of their own): the one-process tensors,
+    resharded, are each rank's; step 3 resumed on hetero pp2 equals the straight run."""
+    losses, _ = pp_straight
+    flags = ["--colocated", "--vision-tp", "2", "--vision-dp", "2", "--lm-tp", "2", "--lm-ep", "2", "--lm-pp", "2",
+             "--micro-batch", "2"]
+    save = str(tmp_path / "sharded")
+    ranks = run_distributed(_train, 4, TINY + flags + ["--steps", "2", "--save", save])
+    assert sorted(f for f in os.listdir(os.path.join(save, "step_00000002")) if f.startswith("model.language")) == [
+        f"model.language.pp{s}-{shard}.safetensors" for s in (0, 1) for shard in ("ep0-etp0", "ep1-etp0", "tp0", "tp1")]
+    (_, full, _), = run_distributed(_load_one_process, 1, save, 2)
+    cfg = config.resolve("tiny")
+    lay = layout.plan(dataclasses.replace(cfg, global_batch=2, micro_batch=2, vision_tp=2, vision_dp=2, lm_tp=2,
+                                          lm_ep=2, lm_pp=2, colocated=True), 4)
+    sizes = {"vision": {"tp": 2}, "language": {"tp": 2, "ep": 2, "etp": 1}}
+    specs = {f"{k}.{n}": getattr(t, "shards", ()) for k, m in (("vision", radio.VisionModel(cfg)),
+             ("language", model.LanguageModel(cfg))) for n, t in m.state_dict(keep_vars=True).items()}
+    for rank, (_, local) in enumerate(ranks):
+        coords = _grid_coords(lay, rank)
+        assert ("language.lm_head.weight" in local) == (rank >= 2)   # stage 1 on ranks 2, 3
+        for name, t in local.items():
+            module, expected = name.split(".")[0], full[name]
+            for kind, dim, segments in specs[name]:
+                expected = comm.shard(expected, dim, coords[module][kind], sizes[module][kind], segments)
+            assert torch.equal(expected, t), (rank, name)
+    resumed = run_distributed(_train, 3, PP(2) + ["--steps", "3", "--load", save, "--save", str(tmp_path / "pp2")])
+    assert abs(resumed[-1][0][0] - losses[2]) < 1e-5, (resumed[-1][0], losses)

@@ -85,7 +85,7 @@ def test_mamba_and_attention_packed_equal_separate():
     packed = torch.cat(xs, 1)
     seq_idx = torch.cat([torch.full((1, n), i) for i, n in enumerate(lens)], 1)
     for kind in "M*":
-        layer = next(b for b in lm.backbone.layers if b.kind == kind).mixer
+        layer = next(b for b in lm.backbone.layers.values() if b.kind == kind).mixer
         out = layer(packed, seq_idx)
         ref = torch.cat([layer(x, None) for x in xs], 1)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -186,7 +186,7 @@ def test_expert_bias_update():
 
 def test_moe_layer_equals_per_token_reference_and_counts():
     cfg, lm = tiny_lm()
-    layer = next(b for b in lm.backbone.layers if b.kind == "E").mixer
+    layer = next(b for b in lm.backbone.layers.values() if b.kind == "E").mixer
     x = torch.randn(2, 11, cfg.hidden_size)
     out = layer(x)
     idx, w = layer.gate(x)
@@ -246,7 +246,7 @@ def test_init_is_layout_independent_and_follows_spec():
     _, c = tiny_lm(seed=4)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
-    mixer = a.backbone.layers[0].mixer
+    mixer = a.backbone.layers["0"].mixer
     assert isinstance(mixer, Mamba2Mixer)
     A = torch.exp(mixer.A_log)
     dt = F.softplus(mixer.dt_bias)
@@ -306,7 +306,7 @@ def test_padding_is_routed_but_not_counted_or_balanced():
     assert moe.seq_aux_loss(scores, 2, 1e-2, valid).item() == pytest.approx(
         moe.seq_aux_loss(scores[:, :6], 2, 1e-2).item(), rel=1e-6)
     cfg, lm = tiny_lm()
-    layer = next(b for b in lm.backbone.layers if b.kind == "E").mixer
+    layer = next(b for b in lm.backbone.layers.values() if b.kind == "E").mixer
     x = torch.randn(1, 9, cfg.hidden_size)
     out_masked = layer(x, valid)
     masked_counts = layer.gate.tokens_per_expert.clone()

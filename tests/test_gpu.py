@@ -445,6 +445,7 @@ HETERO = ["--preset", "tiny", "--global-batch", "8", "--steps", "3", "--lr", "3e
           "--eval-every", "3", "--collective-timeout", "30"]
 HETERO_TOL = 2e-2
 VTP2_LTP2_EP2 = ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "2", "--lm-ep", "2", "--lm-dp", "1"]
+VTP2_PP2 = ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "1", "--lm-pp", "2"]
 
 
 def _on(gpus, layout, name):
@@ -465,6 +466,14 @@ HETERO_LAYOUTS = [
     _on(2, ["--colocated", "--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2"], "shared:vtp2|ldp2"),
     _on(4, ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2", "--lm-dp", "2", "--lm-ep", "4",
             "--micro-batch", "2"], "shared:vdp4|ltp2-dp2-ep4"),
+    # pipeline stages (docs/pipeline.md): rows to stage 0, one batch per pair of stages and round
+    _on(3, ["--vision-tp", "1", "--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "2"], "v1|pp2"),
+    _on(4, ["--vision-tp", "1", "--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "3"], "v1|pp3"),
+    _on(4, VTP2_PP2, "vtp2|pp2"),
+    _on(2, ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--micro-batch", "2"], "shared:vdp2|pp2"),
+    _on(4, ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--lm-dp", "2", "--lm-ep", "2", "--micro-batch", "2"],
+        "shared:vdp4|pp2-dp2-ep2"),
+    _on(4, ["--colocated", "--vision-tp", "1", "--lm-pp", "4", "--micro-batch", "4"], "shared:vdp4|pp4"),
 ]
 
 
@@ -488,10 +497,12 @@ def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_los
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
-@pytest.mark.parametrize("when", ["mid-step", "mid-evaluation"])
-def test_a_signal_to_a_hetero_run_saves_and_the_run_goes_on(when, colocated_losses, tmp_path):
-    """vision tp2 | language tp2 ep2 over NCCL. mid-step: SIGTERM to torchrun during step 2 saves step 1 (the bridge
-    traffic in flight is matched: schedule.Schedule.train); the same line then resumes and trains steps 2 and 3.
+@pytest.mark.parametrize("when, grid", [("mid-step", VTP2_LTP2_EP2), ("mid-evaluation", VTP2_LTP2_EP2),
+                                        ("mid-step", VTP2_PP2)], ids=["mid-step", "mid-evaluation", "mid-step-pp2"])
+def test_a_signal_to_a_hetero_run_saves_and_the_run_goes_on(when, grid, colocated_losses, tmp_path):
+    """vision tp2 | language tp2 ep2 (or pp2) over NCCL. mid-step: SIGTERM to torchrun during step 2 saves step 1
+    (the bridge and pipeline traffic in flight is matched: schedule.Schedule.train); the same line then resumes and
+    trains steps 2 and 3.
     mid-evaluation: SIGHUP during the evaluation after step 3 stops it on every rank (the signal check before each
     evaluation micro-batch pairs with the forward-only bridge) and saves step 3; --eval-only then scores it. Either
     way the three steps' losses and the evaluation's equal the colocated run's."""
@@ -502,7 +513,7 @@ def test_a_signal_to_a_hetero_run_saves_and_the_run_goes_on(when, colocated_loss
     from tests.spawn import slow_train
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     save, metrics, marker = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "marker")
-    line = HETERO + VTP2_LTP2_EP2 + ["--save", save, "--metrics-file", metrics]
+    line = HETERO + grid + ["--save", save, "--metrics-file", metrics]
     # 8 micro-batches a step: the 11th is step 2's third; the evaluation (32 mock samples) starts at the 25th
     sig, at, said = (signal.SIGTERM, 11, f"interrupted by SIGTERM: saved step 1 to {save}") if when == "mid-step" \
         else (signal.SIGHUP, 29, f"interrupted by SIGHUP during the evaluation after step 3 (not scored): saved step "

@@ -1,6 +1,6 @@
 """Full-tensor checkpoints (save_model / load_model) and HF nemotron_h export/import: round trips, file layout,
-errors, and logits parity with transformers' NemotronHForCausalLM (CPU, fp32). Sharded training checkpoints:
-test_checkpoint.py."""
+errors, and logits parity with transformers' NemotronHForCausalLM (CPU, fp32); a pipeline run's checkpoint exported,
+and an HF directory loaded into pipeline stages. Sharded training checkpoints: test_checkpoint.py."""
 import json
 import os
 import subprocess
@@ -17,7 +17,9 @@ import layout
 import model
 import parallel
 import radio
+import train
 from tests.spawn import run_distributed
+from tests.test_failsafe import warm_imports  # noqa: F401 (an autouse fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tiny ('MEM*EM-E': Mamba, MoE, attention, dense MLP) and a variant with wider routing (top-6 of 16),
@@ -93,7 +95,7 @@ def test_save_load_model_full_names(tmp_path):
     assert sorted(lm_sd) == sorted(lm.state_dict())
     lm2 = model.LanguageModel(cfg2)
     lm2.load_state_dict(lm_sd)
-    assert torch.equal(lm2.backbone.layers[1].mixer.experts.up_proj, lm.backbone.layers[1].mixer.experts.up_proj)
+    assert torch.equal(lm2.backbone.layers["1"].mixer.experts.up_proj, lm.backbone.layers["1"].mixer.experts.up_proj)
 
 
 def _load_errors(rank, world, cases):
@@ -155,7 +157,7 @@ def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     # original HF names: one tensor per expert, [F, D] up / [D, F] down, fp32 expert bias
     E, F_, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_latent_size or cfg.hidden_size
     moe_layer = cfg.hybrid_override_pattern.index("E")
-    stacked = lm.backbone.layers[moe_layer].mixer.experts
+    stacked = lm.backbone.layers[str(moe_layer)].mixer.experts
     for j in range(E):
         up = hf_keys[f"backbone.layers.{moe_layer}.mixer.experts.{j}.up_proj.weight"]
         down = hf_keys[f"backbone.layers.{moe_layer}.mixer.experts.{j}.down_proj.weight"]
@@ -243,7 +245,7 @@ def test_transformers_loads_export_with_same_logits(tmp_path, variant, attn):
     assert (ours - theirs).abs().max() < 1e-5                    # measured ~2e-7 in fp32
     # the expert bias moves the choice (so the match above proves it is exported and used the same way)
     with torch.no_grad():
-        for layer in lm.backbone.layers:
+        for layer in lm.backbone.layers.values():
             if layer.kind == "E":
                 layer.mixer.gate.e_score_correction_bias.zero_()
     assert (our_logits(lm, ids) - theirs).abs().max() > 1e-3
@@ -318,3 +320,66 @@ def test_cli_export_then_import(tmp_path):
     out = run("import-hf", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nowhere' / 'config.json'}: missing: {tmp_path / 'nowhere'} is not an HF model directory"]
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+PP2 = ["--preset", "tiny", "--global-batch", "2", "--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "2"]   # 3 ranks
+
+
+def _trained(rank, world, argv):
+    """train.main in a gloo child -> {full name: tensor} of this rank's modules (its stage's part) after it."""
+    _, modules = train.main(list(argv))
+    return {f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()}
+
+
+def _loaded(rank, world, argv):
+    """train.main in a gloo child -> {full name: tensor} of this rank's modules right after checkpoint.load."""
+    real, seen = checkpoint.load, {}
+
+    def load(path, par, modules, *args, **kwargs):
+        counters = real(path, par, modules, *args, **kwargs)
+        seen.update({f"{k}.{n}": t.detach().clone() for k, m in modules.items() for n, t in m.state_dict().items()})
+        return counters
+    checkpoint.load = load   # this forked child only
+    try:
+        train.main(list(argv))
+    finally:
+        checkpoint.load = real
+    return seen
+
+
+def whole(ranks):
+    """The whole model's {full name: tensor} from each rank's part (tp 1: no tensor on two ranks)."""
+    out = {}
+    for state in ranks:
+        assert not set(state) & set(out), "two ranks hold one tensor"
+        out.update(state)
+    return out
+
+
+def assert_same_dirs(a, b):
+    """Two HF directories with the same files: equal JSON, equal tensors (names, dtypes, values)."""
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    for f in os.listdir(a):
+        if f.endswith(".safetensors"):
+            assert_same_tensors(load_file(a / f), load_file(b / f))
+        elif f.endswith(".json"):
+            assert json.loads((a / f).read_text()) == json.loads((b / f).read_text()), f
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_exports_and_hf_loads_into_stages(tmp_path):
+    """export-hf of a hetero pp2 checkpoint (each stage's files apart) equals the export of the same weights saved
+    without stages; --load of the HF directory into a pp2 run fills each stage with the HF tensors of its layers."""
+    save = tmp_path / "ckpt"
+    ranks = run_distributed(_trained, 3, PP2 + ["--steps", "1", "--save", str(save)])
+    checkpoint.save_model(tmp_path / "flat", checkpoint.saved_config(str(save)), whole(ranks))
+    for src, out in ((save, "hf"), (tmp_path / "flat", "hf-flat")):
+        hf_interop.main(["export-hf", "--load", str(src), "--out", str(tmp_path / out)])
+    assert_same_dirs(tmp_path / "hf", tmp_path / "hf-flat")
+
+    loaded = run_distributed(_loaded, 3, PP2 + ["--load", str(tmp_path / "hf"), "--steps", "1"])
+    assert "language.backbone.embeddings.weight" in loaded[1] and "language.lm_head.weight" in loaded[2]
+    _, sd = hf_interop.import_hf(tmp_path / "hf", preset="tiny", say=lambda m: None)
+    assert_same_tensors(whole(loaded), sd)

@@ -44,14 +44,16 @@ def test_nano_on_8_and_16_ranks():
     lay, rows, said = choose(cfg, 8)
     assert dims(lay) == (True, 2, 4, 2, 4, 8, 1, 1) and lay.lm_edp == 1
     assert peak(rows) == 71.30 and rows["vision"] == rows["language"]     # within 92 % of 79.2 GiB (an H100)
-    assert "planned peak 71.3 GiB per rank of 80.0 GiB" in said and "of the 8 layouts that fit" in said
+    assert "planned peak 71.3 GiB per rank of 80.0 GiB" in said and "of the 21 layouts that fit" in said
     # those that fit: experts over ep x etp (the same expert bytes a rank), or the tower at tp 4 or 8 on its own lanes;
-    # with cp 2 or 4 in place of dp as many fit again, but cp is weighed only where nothing without it fits
+    # with cp 2 or 4 in place of dp as many fit again, but cp is weighed only where nothing without it fits; and 13
+    # pipelines of 2 or 4 stages on their own lanes, predicted slower
     fitting = [c for c in layout.candidates(cfg, 8) if memory.fits(memory.plan(cfg, c), H100) is None]
-    assert sorted((c.kind, c.vision_tp, c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == 1) == [
+    assert sorted((c.kind, c.vision_tp, c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == c.lm_pp == 1) == [
         ("in place", 2, 2, 1, 8), ("in place", 2, 2, 2, 4), ("in place", 2, 2, 4, 2), ("in place", 2, 2, 8, 1),
         ("own lanes", 4, 2, 2, 4), ("own lanes", 4, 2, 4, 2), ("own lanes", 4, 2, 8, 1), ("own lanes", 8, 2, 8, 1)]
-    assert len(fitting) == 16 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
+    assert len(fitting) == 29 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
+    assert sorted({(c.kind, c.lm_pp) for c in fitting if c.lm_pp > 1}) == [("own lanes", 2), ("own lanes", 4)]
     assert memory.fits(rows, 79.21 * GIB) is None   # an "80 GB" H100's total_memory
     lay, rows, _ = choose(cfg, 16)
     assert dims(lay) == (True, 2, 8, 2, 8, 8, 1, 1) and peak(rows) == 55.85
@@ -65,7 +67,7 @@ def test_20l_on_8_and_16_ranks():
     cfg = config.resolve("20l")
     assert layout.reference(cfg, 8) in layout.candidates(cfg, 8)
     lay, rows, said = choose(cfg, 8)
-    assert dims(lay) == (True, 1, 8, 1, 8, 8, 1, 1) and peak(rows) == 51.1 and "of the 133 layouts that fit" in said
+    assert dims(lay) == (True, 1, 8, 1, 8, 8, 1, 1) and peak(rows) == 51.1 and "of the 230 layouts that fit" in said
     lay, rows, said = choose(cfg, 16)
     assert dims(lay) == (True, 2, 8, 2, 8, 16, 1, 1) and peak(rows) == 27.74
 
@@ -139,6 +141,56 @@ def test_cost_by_hand(monkeypatch):
     (cp2,) = [c for c in layout.candidates(cfg, 2) if (c.lm_cp, c.lm_ep, c.lm_etp) == (2, 1, 1)]
     kv = 2 * (T // 2) * 2 * 2 * 16
     assert bytes_moved(cfg, cp2) == 8 * 2 * kv + 432576 == 530880
+    # pipelines (* | E): each stage sends its output on, or the gradient of its input back: 2 T D bytes a micro-batch.
+    # Hetero beside one vision rank, language dp2 pp2 ep2 (edp 1), 4 micro-batches: the slowest part's 4 (stage 1: its
+    # all-to-alls and the pipe), each other part once (the encoder's rows and their gradient, stage 0's pipe), and
+    # the slowest tail: stage 0's dense gradients (attention 12352 + embedding 32768) over its dp2
+    lay = layout.named(cfg, 5, {"vision_dp": 1, "lm_dp": 2, "lm_pp": 2, "lm_ep": 2})
+    pipe, rows = 2 * T * D, 2 * 2 * (2 * 4) * D   # the bridge: 2 samples' 4 image rows of D, and their gradient
+    ep1 = 2 * 2 * 0.5 * 2 * (T * 2) * D           # the all-to-alls at tp 1: all T k rows
+    assert [cost.language_micro(cfg, lay, s) for s in (0, 1)] == [pipe, ep1 + pipe]
+    assert [cost.tail(cfg, lay, "language", True, s) for s in (0, 1)] == [3 * (12352 + 32768), 3 * (8768 + 64 + 32768)]
+    seconds = cost.step_seconds(cfg, lay)
+    assert seconds["step"] == 4 * (ep1 + pipe) + rows + pipe + 3 * (12352 + 32768) == 395456
+    assert seconds["bubble"] == (rows + pipe) / (4 * (ep1 + pipe) + rows + pipe)
+    # colocated pp2 on 2 ranks (the tower dp2 on its own lanes, micro-batch 2, 4 micro-batches): 4 + 1 rounds of the
+    # slower rank's pair, tower and stage, + the tower's tail (the projector over dp2) and the slower stage's (none)
+    lay = layout.named(dataclasses.replace(cfg, micro_batch=2), 2, {"colocated": True, "vision_tp": 1, "lm_pp": 2})
+    bridge = 2 * 2 * 4 * D
+    assert cost.step_seconds(cfg, lay)["step"] == (4 + 1) * (bridge + 2 * pipe) + 3 * 24704 == 202112
+    assert cost.step_seconds(cfg, lay)["bubble"] == 1 / 5
+
+
+def test_pipeline_candidates_stay_few():
+    """Pipelines are weighed on their own lanes and hetero, 2 to 8 stages (at most the layers), where they divide the
+    language ranks; the chooser's candidates stay in the hundreds to low thousands, and remedy()'s first search
+    (in place, at every size it tries) has none."""
+    tiny, l20 = config.resolve("tiny"), dataclasses.replace(config.resolve("20l"), global_batch=128)
+    for cfg, world, most in ((tiny, 8, 200), (l20, 8, 400), (l20, 64, 2000)):
+        lays = layout.candidates(cfg, world)
+        assert len(lays) <= most, (cfg.preset, world, len(lays))
+        pipes = [c for c in lays if c.lm_pp > 1]
+        assert pipes and {c.kind for c in pipes} == {"own lanes", "hetero"}
+        assert all(c.lm_pp <= min(layout.MAX_PP, len(cfg.hybrid_override_pattern)) for c in pipes)
+        assert all(c.lm_pp == 1 for c in layout.candidates(cfg, world, apart=False))
+    assert {c.lm_pp for c in layout.candidates(dataclasses.replace(tiny, hybrid_override_pattern="*E"), 8)} == {1, 2}
+
+
+@pytest.mark.slow
+def test_super_fits_48_ranks_only_in_pipeline_stages():
+    """Super's full fine-tune (stage 2, global batch 64) on 80 GB ranks: nothing fits 32 (the closest, 4 stages on
+    their own lanes, needs 82.7 GiB: the stages split the FLOPs, not the bytes), remedy() names 48, and there only
+    pipelines fit: the tower on 8 ranks beside 5 language stages (experts at ep8 x pp5 = 40: edp 1)."""
+    cfg = cli.config_of(["--preset", "super", "--global-batch", "64"])
+    with pytest.raises(SystemExit) as e:
+        layout.plan(cfg, 32, H100)
+    assert "language 32 (tp2 x cp1 x dp4 x pp4; experts etp1 x ep8 x edp1) needs 82.7 GiB" in str(e.value)
+    assert "48 such ranks would fit" in str(e.value), str(e.value)
+    lay, rows, said = choose(cfg, 48)
+    assert lay.brief() == "hetero: vision tp2 dp4 on 8 | language tp2 dp4 ep8 pp5 on 40" and peak(rows) == 67.28
+    assert list(rows) == ["vision"] + [f"language pp{s}" for s in range(5)]
+    fitting = [c for c in layout.candidates(cfg, 48) if memory.fits(memory.plan(cfg, c), H100) is None]
+    assert len(fitting) == 7 and all(c.lm_pp == 5 for c in fitting)
 
 
 def test_none_fits_names_the_fix():
@@ -185,7 +237,10 @@ def test_without_capacity_unchanged():
     assert dims(layout.plan(config.resolve("20l"), 8)) == (False, 2, 2, 2, 2, 4, 1, 1)
     assert dims(layout.plan(config.resolve("tiny"), 2)) == (True, 1, 2, 1, 2, 1, 1, 1)
     with pytest.raises(SystemExit, match="global_batch 8 is not divisible"):   # nothing valid: the same error
-        layout.plan(config.resolve("tiny"), 7, H100)   # no split of 7 ranks divides a batch of 8
+        layout.plan(config.resolve("tiny"), 27, H100)   # no split of 27 ranks divides a batch of 8
+    # 7 ranks: 4 vision lanes beside one language lane of 3 stages (8 layers), a micro-batch of 4: one a vision lane
+    assert layout.plan(config.resolve("tiny"), 7, H100).brief() == \
+        "hetero: vision tp1 dp4 on 4 | language tp1 pp3 on 3, micro-batch 4"
 
 
 def test_sizes_that_do_not_divide_name_what_would():

@@ -90,6 +90,87 @@ def test_language_activations_under_cp_by_hand():
         assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 394944, 4: 203616}[cp]
 
 
+def test_pipeline_stages_by_hand():
+    """tiny (MEM*EM-E, stage 2) in pipeline stages beside one vision rank (hetero): pp2 (MEM* | EM-E) at dp2, 4
+    micro-batches a step; pp4 (ME | M* | EM | -E) at dp1, 8. A stage holds its layers' parameters (the first the
+    embedding, the last norm_f and lm_head), its set-up draws its largest (the embedding, the head: 512 x 64), and
+    stage s of p keeps the activations of min(p - s, n) micro-batches; the encoder min(p + 1, n)."""
+    M = 64 + 3 * 8 + 328 * 64 + 192 * 4 + 192 + 128 + 64 * 128   # norm, dt_bias / A_log / D, in_proj, conv, norm, out
+    E, experts = 64 + 8 * 64 + 2 * 64 * 64, 8 * 2 * 32 * 64    # norm, router, shared expert; the 8 experts
+    A, F, V = 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64, 64 + 2 * 64 * 64, 512 * 64   # attention, MLP; embedding, head
+    assert (M, E, A, F) == (30360, 8768, 12352, 8256)
+    T, D = 96, 64
+    block = 2 * T * D + 4 * T
+    act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 178560, "*": 75648,
+           "-": block + 2 * T * D + 2 * 2 * T * 64}             # E and *: test_language_rank_by_hand's
+    out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), the logits
+    head = 2 * 2 * T * D + logits + 8 * T    # norm_f and lm_head inputs, logits, lse
+
+    def rows(argv):
+        cfg = cli.config_of(["--preset", "tiny", "--vision-dp", "1", *argv])
+        lay = layout.plan(cfg, 5)
+        return memory.plan(cfg, lay), memory.vision_activation_bytes(cfg, lay), lay
+
+    pp2, vision, lay = rows(["--lm-dp", "2", "--lm-pp", "2"])
+    assert (lay.num_microbatches, lay.lm_edp) == (4, 2) and list(pp2) == ["vision", "language pp0", "language pp1"]
+    params = [(V + M + E + M + A, experts), (E + M + F + E + 64 + V, 2 * experts)]   # (dense, experts); 64: norm_f
+    keeps = [act["M"] + act["E"] + act["M"] + act["*"] + out, act["E"] + act["M"] + act["-"] + act["E"] + head]
+    passing = [out, logits]    # the gradient of the outputs; of the logits
+    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, passing)):
+        r, n = pp2[f"language pp{s}"], dense + exp   # dp 2, edp 2: 2 + 4 + 12 / 2 bytes a parameter
+        assert (r["weights"], r["gradients"], r["optimizer"]) == (2 * n, 4 * n, 6 * n)
+        assert r["setup"] == r["weights"] + 4 * 512 * 64
+        assert r["activations"] == (2 - s) * kept + gone
+    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1096704, 766464]
+    assert pp2["vision"]["activations"] == 3 * vision
+
+    pp4, vision, lay = rows(["--lm-dp", "1", "--lm-pp", "4"])
+    assert lay.num_microbatches == 8
+    params = [(V + M + E, experts), (M + A, 0), (E + M, experts), (F + E + 64 + V, experts)]
+    keeps = [act["M"] + act["E"] + out, act["M"] + act["*"] + out, act["E"] + act["M"] + out,
+             act["-"] + act["E"] + head]
+    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, [out, out, out, logits])):
+        r = pp4[f"language pp{s}"]   # dp 1, edp 1: 2 + 4 + 12 bytes
+        assert (r["weights"], r["optimizer"]) == (2 * (dense + exp), 12 * (dense + exp))
+        assert r["activations"] == (4 - s) * kept + gone
+    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1327104, 689664, 669696, 450048]
+    assert pp4["vision"]["activations"] == 5 * vision
+
+
+def test_colocated_pipeline_stage_holds_the_tower_too():
+    """Colocated pp2 on 2 ranks (the tower dp2 on its own lanes, micro-batch 2: twice the tokens of
+    test_pipeline_stages_by_hand's): a row a stage, each the tower's bytes plus the stage's. The tower keeps 3
+    micro-batches while its next forward runs, 2 beside a language forward; stage 0 keeps 1 then, 2 after."""
+    cfg = cli.config_of(["--preset", "tiny", "--colocated", "--lm-pp", "2", "--vision-tp", "1", "--micro-batch", "2"])
+    lay = layout.plan(cfg, 2)
+    rows, V = memory.plan(cfg, lay), memory.vision_activation_bytes(cfg, lay)
+    assert lay.kind == "own lanes" and lay.num_microbatches == 4 and list(rows) == ["language pp0", "language pp1"]
+    kept = [2 * 542208, 2 * 668160]   # test_pipeline_stages_by_hand's stages at twice the tokens
+    assert [memory.language_activation_bytes(cfg, lay, s) for s in (0, 1)] == [(kept[0], 2 * 2 * 96 * 64),
+                                                                            (kept[1], 2 * 2 * 96 * 512)]
+    assert rows["language pp0"]["activations"] == max(3 * V + kept[0], 2 * V + 2 * kept[0] + 24576) == 2203648
+    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 196608) == 1543168
+    for s, r in enumerate(rows.values()):
+        alone = memory.parameter_bytes(cfg, lay, True, s)
+        assert r["weights"] == alone["vision"]["weights"] + alone["language"]["weights"]
+        assert r["setup"] == r["weights"] + 4 * 512 * 64
+
+
+def test_dry_run_shows_the_stages_and_the_bubble(capsys):
+    """The dry run of a pipeline: a plan row and a verdict a stage, and the pipe's bubble."""
+    cfg = cli.config_of(["--preset", "tiny", "--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "4"])
+    lay = layout.plan(cfg, 5)
+    predicted = cost.step_seconds(cfg, lay)
+    memory.dry_run(cfg, lay, 80 * memory.GIB, predicted)
+    lines = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(lines[-1])
+    assert list(last["peak_gib_per_rank"]) == ["vision"] + [f"language pp{s}" for s in range(4)]
+    assert last["predicted_s"]["bubble"] == round(predicted["bubble"], 4) and 0 < predicted["bubble"] < 1
+    assert any(line.startswith("predicted on Hopper") and f"bubble {100 * predicted['bubble']:.0f} %" in line
+               for line in lines)
+    assert sum(line.startswith("  language pp") and " fits 80.0 GiB" in line for line in lines) == 4
+
+
 def test_vision_rank_and_plain_optimizer():
     rows, lay = plan()
     with torch.device("meta"):

@@ -253,7 +253,8 @@ def test_validation_messages():
          "colocated layout: vision 2 (tp1 x dp2) and language 4 (tp2 x cp1 x dp2 x pp1) must both equal WORLD_SIZE 4"),
         (Layout(4, True, 1, 2, 1, 2, micro_batch=1, global_batch=2), TINY,
          "colocated layout: vision 2 (tp1 x dp2) and language 2 (tp1 x cp1 x dp2 x pp1) must both equal WORLD_SIZE 4"),
-        (dataclasses.replace(hetero(1, 1, 1, 2), lm_pp=2, world=5), TINY, "supports pp = 1 only"),
+        (dataclasses.replace(hetero(1, 1, 1, 1), lm_pp=9, world=10), TINY,
+         "language pp9: more stages than the model's 8 layers (--lm-pp 8 at most)"),
         (dataclasses.replace(hetero(1, 1, 1, 1), lm_cp=5, world=6), TINY,
          "seq_len 96 is not divisible by 2 x lm_cp = 10: context parallelism cuts each row into 2 x cp equal chunks "
          "(--seq-len 90 would do)"),
@@ -347,8 +348,8 @@ def test_setup_groups():
     for i in range(3):       # every rank issued the same group creations in the same order
         assert all(r[i][0] == results[0][i][0] for r in results)
     labels = [label for label, _ in results[0][0][0]]
-    assert labels == ["vision tp", "vision dp-cp", "lm tp", "lm cp", "lm dp-cp", "lm tp-cp", "lm tp-dp-cp", "lm ep",
-                      "lm etp", "lm edp", "bridge"]     # only the groups the code reads (no dp, pp, tp-dp, whole)
+    assert labels == ["vision tp", "vision dp-cp", "lm tp", "lm cp", "lm dp-cp", "lm tp-cp", "lm tp-dp-cp", "lm pp",
+                      "lm ep", "lm etp", "lm edp", "bridge"]     # only the groups the code reads (no dp, tp-dp, whole)
     assert results[5][0][1] == "lm tp1/2 dp0/2 ep1/2 etp0/1 edp0/2 rank5"
     assert results[1][0][1] == "vision tp1/2 dp0/2 rank1"
     assert results[3][1][1] == "vision tp1/2 dp1/4 | lm tp1/2 dp1/4 ep1/2 etp1/2 edp0/2 rank3"

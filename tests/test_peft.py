@@ -1,6 +1,7 @@
 """hf_peft.py against PEFT (CPU, fp32): random nonzero adapters on every target kind of the tiny Omni of
 test_hf_omni.py, written as a PEFT adapter directory, loaded by `PeftModel.from_pretrained` on the base
-transformers model, compute the merged export's logits (nemotron_h_omni with images, and nemotron_h)."""
+transformers model, compute the merged export's logits (nemotron_h_omni with images, and nemotron_h). A pipeline
+run's adapters export as the same weights without stages do."""
 import dataclasses
 import json
 
@@ -8,11 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import hf_interop
 import hf_peft
 import lora
 import model
 import radio
+from tests.spawn import run_distributed
+from tests.test_hf import PP2, _trained, assert_same_dirs, warm_imports, whole  # noqa: F401 (an autouse fixture)
 from tests.test_hf_omni import batch, hf_logits, omni   # noqa: F401  (omni: the fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -103,3 +107,20 @@ def test_no_adapters_refused(imported, tmp_path):
     _, with_vision = with_adapters(cfg, sd, r"mlp1\.(1|3)$")
     with pytest.raises(ValueError, match="no LoRA adapters in the language model"):
         hf_peft.save_peft(with_vision, cfg, tmp_path, "")
+
+
+@pytest.mark.slow
+def test_pipeline_adapters_export_as_without_stages(tmp_path):
+    """The adapters of a LoRA run on hetero pp2 (each stage's in its own files) export as the same weights saved
+    without stages do, merged and as a PEFT directory."""
+    save = tmp_path / "ckpt"
+    ranks = run_distributed(_trained, 3, PP2 + ["--lora-rank", "4", "--steps", "1", "--save", str(save)])
+    sd = whole(ranks)
+    assert any(k.endswith("lora_B") and v.abs().max() > 0 for k, v in sd.items())   # trained: B left zero
+    checkpoint.save_model(tmp_path / "flat", checkpoint.saved_config(str(save)), sd)
+    for flags, out in (([], "merged"), (["--adapters-only"], "peft")):
+        for src in (save, tmp_path / "flat"):
+            hf_interop.main(["export-hf", "--load", str(src), "--out", str(tmp_path / out / src.name), *flags])
+        assert_same_dirs(tmp_path / out / "ckpt", tmp_path / out / "flat")
+    assert any(".layers.0." in k for k in load_file(tmp_path / "peft" / "ckpt" / hf_peft.WEIGHTS_NAME)) and \
+        any(".layers.7." in k for k in load_file(tmp_path / "peft" / "ckpt" / hf_peft.WEIGHTS_NAME))

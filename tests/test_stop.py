@@ -1,7 +1,9 @@
 """Every stop saves, and says so once (failsafe.py, cli.run): a signal during an evaluation saves the step before
 it, SIGHUP as SIGTERM, a signal before training is one line, an interrupted --eval-only is one line, and a rank whose
-peer ended with an error stays silent."""
+peer ended with an error stays silent. With pipeline stages too: a signal mid-step or mid-evaluation, and a
+non-finite gradient on one stage (every rank skips the step)."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import cli
 import data
 import failsafe
 import mock
+import optim
 import train
 from tests.spawn import run_distributed
 from tests.test_failsafe import HETERO2, TINY, warm_imports  # noqa: F401 (warm_imports: an autouse fixture)
@@ -63,6 +66,82 @@ def test_sighup_mid_evaluation_saves_the_step_and_resumes_exactly(tmp_path, capf
     for (h, state, status), (h_ref, ref, _) in zip(resumed, straight):
         assert status == 0 and [x["loss"] for x in h] == [x["loss"] for x in h_ref[1:]]
         assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+# 3 ranks: vision on 0, the language model's stages on 1 and 2; 4 micro-batches a step
+PP2_HETERO = TINY + ["--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "2"]
+# 2 shared ranks: the tower dp2 beside language stages 0 (rank 0) and 1 (rank 1); 2 micro-batches of 2 a step
+PP2_SHARED = TINY + ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--micro-batch", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, argv, at", [(3, PP2_HETERO, 6), (2, PP2_SHARED, 3)], ids=["hetero", "shared"])
+def test_sigterm_mid_step_in_a_pipeline_resumes_exactly(tmp_path, world, argv, at):
+    """SIGTERM on the last stage at step 2's micro-batch `at` (its 2nd hetero, 1st shared), with micro-batches in
+    flight between the stages and over the bridge: every rank stops at the next boundary, step 1 is saved, and the
+    resumed run equals the straight one."""
+    save, argv = str(tmp_path / "ckpt"), argv + ["--steps", "3"]
+    first = run_distributed(_signal_at, world, argv + ["--save", save], signal.SIGTERM, at)
+    assert [(len(h), status) for h, _, status in first] == [(1, 128 + signal.SIGTERM)] * world
+    assert _latest(save) == "step_00000001"
+    resumed = run_distributed(_signal_at, world, argv + ["--load", save], signal.SIGTERM, 0)
+    straight = run_distributed(_signal_at, world, argv, signal.SIGTERM, 0)
+    for (h, state, status), (h_ref, ref, _) in zip(resumed, straight):
+        assert status == 0 and [x["loss"] for x in h] == [x["loss"] for x in h_ref[1:]]
+        assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+    assert all(x["loss"] is not None for x in straight[-1][0])   # the last stage knows the loss
+
+
+@pytest.mark.slow
+def test_sigterm_mid_evaluation_in_a_pipeline_saves_the_step(tmp_path, capfd):
+    """The last stage's 5th micro-batch is the evaluation's first after step 1: every rank stops before its
+    second, step 1 is saved (said once), nothing is scored, and the run resumes from it exactly."""
+    save = str(tmp_path / "ckpt")
+    argv = PP2_HETERO + ["--steps", "2", "--save", save, "--eval-every", "1", "--eval-samples", "4"]
+    first = run_distributed(_signal_at, 3, argv, signal.SIGTERM, 5)
+    assert [(len(h), status) for h, _, status in first] == [(1, 128 + signal.SIGTERM)] * 3
+    out = capfd.readouterr().out
+    assert out.count(f"interrupted by SIGTERM during the evaluation after step 1 (not scored): saved step 1 to "
+                     f"{save}\n") == 1, out
+    assert "eval step" not in out and _latest(save) == "step_00000001"
+    resumed = run_distributed(_signal_at, 3, argv + ["--load", save], signal.SIGTERM, 0)
+    straight = run_distributed(_signal_at, 3, PP2_HETERO + ["--steps", "2"], signal.SIGTERM, 0)
+    for (h, state, status), (h_ref, ref, _) in zip(resumed, straight):
+        assert status == 0 and [x["loss"] for x in h] == [x["loss"] for x in h_ref[1:]]
+        assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def _inf_on_first_stage(rank, world, argv):
+    """train.main, the first stage (rank 1) turning its embedding's gradient into inf at its 6th backward (step
+    2's 2nd micro-batch) -> (history, how often the hook ran)."""
+    real, seen = optim.build, []
+
+    def build(par, vision, lm, *args, **kwargs):   # the weights as materialised (init.py), before any step
+        if rank == 1:
+            def hook(g):
+                seen.append(1)
+                return torch.full_like(g, float("inf")) if len(seen) == 6 else g
+            lm.backbone.embeddings.weight.register_hook(hook)
+        return real(par, vision, lm, *args, **kwargs)
+    optim.build = build   # this forked child only
+    try:
+        history, _ = train.main(list(argv))
+    finally:
+        optim.build = real
+    return history, len(seen)
+
+
+@pytest.mark.slow
+def test_inf_on_one_stage_skips_the_step_everywhere():
+    """A non-finite gradient on the first stage only: the vision rank and both stages skip that step alike, the
+    others step (the grad norm's all-reduce spans every rank)."""
+    results = run_distributed(_inf_on_first_stage, 3, PP2_HETERO + ["--steps", "3", "--lr-schedule", "constant"])
+    assert [n for _, n in results] == [0, 12, 0]   # the hook ran on the first stage only, 4 backwards a step
+    for rank, (history, _) in enumerate(results):
+        assert [h["ok"] for h in history] == [True, False, True], rank
+        assert math.isnan(history[1]["grad_norm"]) and math.isfinite(history[2]["grad_norm"]), rank
+        assert history[2]["grad_norm"] == results[0][0][2]["grad_norm"]
+    assert all(math.isfinite(h["loss"]) for h in results[2][0])   # the forward was fine: only the update skipped
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def language_micro(cfg, lay, stage=0):
     the stages beside it: the residual stream forward (with MTP the decoder input too) and its gradient back."""
     tp, cp, ep, etp, p = lay.lm_tp, lay.lm_cp, lay.lm_ep, lay.lm_etp, lay.lm_pp
     T, D = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size
-    r, first, last = model.stage_layers(cfg, p)[stage], stage == 0, stage == p - 1
+    r, first, last = model.stage_layers(cfg, p, lay.lm_split)[stage], stage == 0, stage == p - 1
     pattern = cfg.hybrid_override_pattern[r.start:r.stop]
     passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
     layers, rest = model.layer_flops_per_token(cfg, cfg.seq_len)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import config
 import cost
 import memory
+import model
 
 MAX_WORLD = 1024    # the largest world size remedy() tries
 MAX_PP = 8          # the most pipeline stages the chooser weighs: each more adds a micro-batch to fill and drain
@@ -39,6 +40,7 @@ class Layout:
     global_batch: int = 1           # samples per optimizer step
     lm_cp: int = 1
     lm_pp: int = 1
+    lm_split: tuple = ()            # the first layer of each stage after the first; () the compute split (fit_split)
 
     @property
     def in_place(self):
@@ -99,7 +101,8 @@ class Layout:
     def describe(self):
         cp = f" x cp{self.vision_cp}" if self.vision_cp > 1 else ""
         vision = f"vision {self.vision_size} (tp{self.vision_tp}{cp} x dp{self.vision_dp})"
-        lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}; "
+        split = f" from layers 0, {', '.join(map(str, self.lm_split))}" if self.lm_split else ""
+        lm = (f"language {self.lm_size} (tp{self.lm_tp} x cp{self.lm_cp} x dp{self.lm_dp} x pp{self.lm_pp}{split}; "
               f"experts etp{self.lm_etp} x ep{self.lm_ep} x edp{self.lm_edp})")
         if self.colocated:
             return f"colocated layout on {self.world} ranks: {vision}, {lm}"
@@ -118,7 +121,7 @@ def check_layout(lay, cfg):
             errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
     elif lay.vision_size + lay.lm_size != lay.world:
         errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
-    sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay) if f.name not in ("world", "colocated")}
+    sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay) if f.name not in ("world", "colocated", "lm_split")}
     bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
     if bad:  # the checks below divide by these
         raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)
@@ -192,13 +195,45 @@ def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=Tru
     given = {k: getattr(cfg, k) for k in config.LAYOUT_FIELDS if getattr(cfg, k) is not None}
     if capacity is not None and not given:
         return choose(cfg, world, capacity, cuda, say, strict)
-    lay = named(cfg, world, given)
+    lay = named(cfg, world, given) if capacity is None else fit_split(cfg, named(cfg, world, given), capacity, cuda)
     shortfall = capacity is not None and strict and memory.fits(memory.plan(cfg, lay, cuda), capacity)
     if shortfall:
         raise SystemExit(f"this layout does not fit: {lay.describe()} needs {shortfall}. Use more ranks (--lm-tp / "
                          "--lm-ep / --vision-tp), --activation-checkpointing, a smaller preset (tiny, small), or see "
                          "`--dry-run --world-size N` for the per-rank plan.")
     return lay
+
+
+def fit_split(cfg, lay, capacity, cuda=True):
+    """`lay` with its pipeline stages' layers moved where the compute split (model.stage_layers) leaves a stage
+    short of `capacity` bytes (the first stage keeps the most micro-batches in flight): the stage that needs the
+    most gives an edge layer to a neighbour, the move that lowers the most-needing stage's need the most, until
+    every stage fits -> that layout, or `lay` where it fits already or no such moves make it fit. Fitting comes
+    before speed (the module docstring): the moved layers slow the stage that takes them, and cost.py says by
+    how much."""
+    rows = memory.plan(cfg, lay, cuda)
+    if lay.lm_pp == 1 or memory.fits(rows, capacity) is None:
+        return lay
+    n, moved = len(cfg.hybrid_override_pattern), lay
+    while True:
+        need = {s: memory.required({"stage": rows[f"language pp{s}"]}) for s in range(lay.lm_pp)}
+        worst = max(need, key=need.get)
+        starts = [r.start for r in model.stage_layers(cfg, moved.lm_pp, moved.lm_split)][1:] + [n]
+        tries = []
+        for i, step in ((worst - 1, 1), (worst, -1)):   # its first layer to the stage before, its last to the next
+            if 0 <= i < lay.lm_pp - 1:
+                split = starts[:-1]
+                split[i] += step
+                if all(a < b for a, b in zip([0] + split, split + [n])):
+                    c = dataclasses.replace(moved, lm_split=tuple(split))
+                    tries.append((max(memory.required({k: r}) for k, r in memory.plan(cfg, c, cuda).items()
+                                      if k != "vision"), c))
+        if not tries or min(t[0] for t in tries) >= need[worst]:
+            return lay
+        moved = min(tries, key=lambda t: t[0])[1]
+        rows = memory.plan(cfg, moved, cuda)
+        if memory.fits(rows, capacity) is None:
+            return moved
 
 
 def named(cfg, world, given):
@@ -284,7 +319,8 @@ def choose(cfg, world, capacity, cuda, say, strict):
     """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why (not strict,
     the dry run: the table of candidates first). None fits: SystemExit naming what would (not strict: `say` that,
     and return the closest)."""
-    plans = {lay: memory.plan(cfg, lay, cuda) for lay in candidates(cfg, world)}
+    plans = {lay: memory.plan(cfg, lay, cuda) for lay in map(lambda c: fit_split(cfg, c, capacity, cuda),
+                                                              candidates(cfg, world))}
     if not plans:       # nothing valid: the colocated dp layout's errors say why
         return named(cfg, world, {})
     fitting = [lay for lay, rows in plans.items() if memory.fits(rows, capacity) is None]

@@ -80,10 +80,10 @@ def parameter_counts(cfg):
 
 
 @config.per_config
-def stage_counts(cfg, pp):
+def stage_counts(cfg, pp, split=()):
     """Per pipeline stage of pp (model.stage_layers): ({group: parameters} of the language parameters it holds,
     its largest parameter). The embedding is on the first stage, norm_f, lm_head and MTP on the last."""
-    where = {i: s for s, r in enumerate(model.stage_layers(cfg, pp)) for i in r}
+    where = {i: s for s, r in enumerate(model.stage_layers(cfg, pp, split)) for i in r}
     groups, largest = [{} for _ in range(pp)], [0] * pp
     for place, g, numel in parameter_counts(cfg)[0]["language"]:
         s = where.get(place, 0 if place < 0 else pp - 1)
@@ -98,7 +98,7 @@ def local_parameters(cfg, lay, stage=0):
     the size of the group its gradient is summed over (its optimizer domain: vision dp (x cp colocated), the
     stage's language dp x cp, its edp)."""
     counts = parameter_counts(cfg)[0]
-    for kind, groups in (("vision", counts["vision"]), ("language", stage_counts(cfg, lay.lm_pp)[stage][0])):
+    for kind, groups in (("vision", counts["vision"]), ("language", stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][0])):
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
         for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
             n = numel / (lay.lm_ep * (lay.lm_etp if etp_sharded else 1) if expert else tp if tp_sharded else 1)
@@ -115,7 +115,7 @@ def parameter_bytes(cfg, lay, cuda=True, stage=0):
     distributed = cfg.distributed_optimizer
     out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "setup": 0.0}
            for kind in ("vision", "language")}
-    out["language"]["setup"] = 4 * stage_counts(cfg, lay.lm_pp)[stage][1]   # the sizing model's are full size
+    out["language"]["setup"] = 4 * stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][1]   # the sizing model's are full size
     for kind, expert, trained, n, d in local_parameters(cfg, lay, stage):
         b = out[kind]
         fp32 = trained and optim.fp32_weights(distributed, d, expert, cuda, cfg.activation_checkpointing)
@@ -153,7 +153,7 @@ def language_activation_bytes(cfg, lay, stage=0):
               + 2 * T * D / tp + 2 * T * D + latent),               # combined rows, all-gathered over tp
     }
     first, last = stage == 0, stage == lay.lm_pp - 1
-    r = model.stage_layers(cfg, lay.lm_pp)[stage]
+    r = model.stage_layers(cfg, lay.lm_pp, lay.lm_split)[stage]
     pattern, mtp = cfg.hybrid_override_pattern[r.start:r.stop], model.mtp_depths(cfg)
     depths = mtp if last else 0      # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
     layers = [block + mixer[k] for k in pattern + cfg.mtp_pattern * depths]

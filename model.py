@@ -160,10 +160,11 @@ class VocabEmbedding(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    """The decoder, or with stage = (s, p) its pipeline stage s of p (stage_layers): the layers of that stage under
-    their global names (backbone.layers.{i}), the embedding on the first stage, norm_f, the head and MTP on the last."""
+    """The decoder, or with stage = (s, p) its pipeline stage s of p (stage_layers, `split`: the layout's): the layers
+    of that stage under their global names (backbone.layers.{i}), the embedding on the first stage, norm_f, the head
+    and MTP on the last."""
 
-    def __init__(self, cfg, groups=None, dispatcher="alltoall", stage=(0, 1)):
+    def __init__(self, cfg, groups=None, dispatcher="alltoall", stage=(0, 1), split=()):
         super().__init__()
         groups = groups or {}
         self.cfg, self.tp_group, self.cp_group = cfg, groups.get("tp"), groups.get("cp")
@@ -175,7 +176,7 @@ class LanguageModel(nn.Module):
         if self.first:
             self.backbone.embeddings = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp_group)
         self.backbone.layers = nn.ModuleDict({str(i): Block(cfg.hybrid_override_pattern[i], cfg, groups, dispatcher)
-                                              for i in stage_layers(cfg, stage[1])[stage[0]]})
+                                              for i in stage_layers(cfg, stage[1], split)[stage[0]]})
         if self.last:
             self.backbone.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
@@ -436,11 +437,14 @@ def layer_flops_per_token(cfg, seq_len):
 
 
 @config.per_config
-def stage_layers(cfg, pp):
+def stage_layers(cfg, pp, split=()):
     """The decoder's layers of each of `pp` pipeline stages: contiguous ranges, at least one layer each, that
-    make the slowest stage's training FLOPs (the last stage's with the head and MTP) as small as can be."""
-    if pp == 1:
-        return [range(len(cfg.hybrid_override_pattern))]
+    make the slowest stage's training FLOPs (the last stage's with the head and MTP) as small as can be; or with
+    `split` (the first layer of each stage after the first: layout.fit_split's, where that split does not fit a
+    rank's memory) those."""
+    if pp == 1 or split:
+        bounds = [0, *split, len(cfg.hybrid_override_pattern)]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     layers, head = layer_flops_per_token(cfg, cfg.seq_len)
     n = len(layers)
     sums = [0] + [sum(layers[:i + 1]) for i in range(n)]

@@ -149,3 +149,30 @@ def _step_lines(rank, world, argv):
 def test_the_last_stage_prints_the_step_lines():
     argv = ONE_STEP + ["--steps", "2", "--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "2"]
     assert run_distributed(_step_lines, 3, argv) == [0, 0, 2]
+
+
+def _train_in_little_memory(rank, world, argv, capacity):
+    import memory
+    memory.capacity = lambda device: capacity   # this forked child only
+    return _train(rank, world, argv)
+
+
+@pytest.mark.slow
+def test_a_stage_short_of_memory_gives_layers_to_its_neighbour(reference):
+    """Four stages of tiny on a rank memory the compute split does not fit (its first stage keeps four
+    micro-batches): layout.fit_split moves the first stage's second layer on, and the step still equals one
+    process."""
+    import cli
+    import layout
+    import memory
+    argv = ONE_STEP + ["--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "4"]
+    lay = layout.plan(cli.config_of(argv), 5)
+    assert lay.lm_split == () and model.stage_layers(config.resolve("tiny"), 4)[0] == range(0, 2)
+    capacity = 3.0e6   # bytes: the compute split's first stage plans 3.26 MB with the share the peak may use
+    assert memory.fits(memory.plan(cli.config_of(argv), lay, cuda=False), capacity) is not None
+    moved = layout.plan(cli.config_of(argv), 5, capacity, cuda=False)
+    assert moved.lm_split == (1, 4, 6) and "pp4 from layers 0, 1, 4, 6" in moved.describe()
+    results = run_distributed(_train_in_little_memory, 5, argv, capacity, timeout=120.0)
+    held = [{k.split(".")[3] for k in state if k.startswith("language.backbone.layers.")} for _, state, _ in results]
+    assert held[1:] == [{"0"}, {"1", "2", "3"}, {"4", "5"}, {"6", "7"}], held   # ranks 1-4: stages 0-3
+    assert_step_matches(results, reference, "pp4, layers moved")

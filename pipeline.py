@@ -15,8 +15,6 @@ runs here in set-up, where every stage meets; the shapes and dtype are known on 
 import torch
 import torch.distributed as dist
 
-import model
-
 TAG_ACT, TAG_GRAD, TAG_OPEN = 201, 202, 203   # gloo matches by tag: a pair's two directions never cross
 
 
@@ -33,7 +31,7 @@ class Pipe:
         self.down = None if self.last else par.rank + hop
         self.shape = (lay.micro_batch, cfg.seq_len // lay.lm_cp, cfg.hidden_size)
         self.dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32   # vlm.autocast's
-        self.device, self.mtp = device, bool(model.mtp_depths(cfg))
+        self.device = device
         if self.stages > 1:   # each pair's first transfer, both ways, in one batch of every rank of the group
             self._post([(op, torch.zeros(1, device=device), peer, TAG_OPEN) for peer in (self.up, self.down)
                         if peer is not None for op in (dist.isend, dist.irecv)])

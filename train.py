@@ -2,9 +2,10 @@
 
 One step (docs/parallel.md §7-8), every rank running the lines of the module(s) it holds:
   N_global = loss tokens of the whole step (one all-reduce)      -> per-token loss for both modules
-  schedule.train: the micro-batches in 1F1B order over the bridge (schedule.py), each one
+  schedule.train: the micro-batches in 1F1B order over the bridge and the pipeline stages (schedule.py), each one
                   vision: vlm.encode its samples -> rows, sent to the language lanes that own the samples
-                  language: vlm.language_loss on the rows received -> LossParts; backward of their sum (+ MTP)
+                  language: vlm.language_loss on the rows received (a stage: its part, docs/pipeline.md) ->
+                  LossParts; backward of their sum (+ MTP)
   opt.finish: reduce grads per module over its own dp groups, divide by N_global, global norm, clip or skip (all
   ranks agree); then AdamW step, expert-bias update, LR schedule (only after a successful step)
 

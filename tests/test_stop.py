@@ -16,10 +16,10 @@ import cli
 import data
 import failsafe
 import mock
-import optim
 import train
 from tests.spawn import run_distributed
 from tests.test_failsafe import HETERO2, TINY, warm_imports  # noqa: F401 (warm_imports: an autouse fixture)
+from tests.test_train import train_with_inf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,31 +111,13 @@ def test_sigterm_mid_evaluation_in_a_pipeline_saves_the_step(tmp_path, capfd):
         assert sorted(state) == sorted(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
 
 
-def _inf_on_first_stage(rank, world, argv):
-    """train.main, the first stage (rank 1) turning its embedding's gradient into inf at its 6th backward (step
-    2's 2nd micro-batch) -> (history, how often the hook ran)."""
-    real, seen = optim.build, []
-
-    def build(par, vision, lm, *args, **kwargs):   # the weights as materialised (init.py), before any step
-        if rank == 1:
-            def hook(g):
-                seen.append(1)
-                return torch.full_like(g, float("inf")) if len(seen) == 6 else g
-            lm.backbone.embeddings.weight.register_hook(hook)
-        return real(par, vision, lm, *args, **kwargs)
-    optim.build = build   # this forked child only
-    try:
-        history, _ = train.main(list(argv))
-    finally:
-        optim.build = real
-    return history, len(seen)
-
-
 @pytest.mark.slow
 def test_inf_on_one_stage_skips_the_step_everywhere():
     """A non-finite gradient on the first stage only: the vision rank and both stages skip that step alike, the
     others step (the grad norm's all-reduce spans every rank)."""
-    results = run_distributed(_inf_on_first_stage, 3, PP2_HETERO + ["--steps", "3", "--lr-schedule", "constant"])
+    # the first stage (rank 1) turns its embedding's gradient into inf at its 6th backward (step 2's 2nd micro-batch)
+    results = run_distributed(train_with_inf, 3, PP2_HETERO + ["--steps", "3", "--lr-schedule", "constant"], 1,
+                              lambda vision, lm: lm.backbone.embeddings.weight, (6,))
     assert [n for _, n in results] == [0, 12, 0]   # the hook ran on the first stage only, 4 backwards a step
     for rank, (history, _) in enumerate(results):
         assert [h["ok"] for h in history] == [True, False, True], rank

@@ -447,21 +447,22 @@ def test_skipped_step_does_not_advance_the_schedule(monkeypatch):
 
 # ---------------------------------------------------------------- 6. step consensus: one encoder rank overflows
 
-def _train_with_inf_on_vision_rank_1(rank, world, argv):
-    """A hook on vision rank 1's projector weight turns its gradient into inf in step 2 (its 3rd and 4th backward:
-    two micro-batches a step). Every rank of both grids must skip that step, and nobody hangs."""
+def train_with_inf(rank, world, argv, at, pick, backwards):
+    """train.main where rank `at` turns the gradient of pick(vision, lm) (a parameter it holds) into inf at its
+    `backwards` (counted from 1) -> (history, how often the hook ran). Every rank must then skip that step, and
+    nobody hangs."""
     real = optim.build
     seen = []
 
     def build(par, vision, lm, *args, **kwargs):   # the weights as materialised (init.py), before any step
-        if rank == 1 and vision is not None and lm is None:
+        if rank == at:
             def hook(g):
                 seen.append(1)
-                return torch.full_like(g, float("inf")) if len(seen) in (3, 4) else g
-            vision.mlp1["3"].weight.register_hook(hook)
+                return torch.full_like(g, float("inf")) if len(seen) in backwards else g
+            pick(vision, lm).register_hook(hook)
         return real(par, vision, lm, *args, **kwargs)
 
-    optim.build = build
+    optim.build = build   # this forked child only
     try:
         history, _ = train.main(list(argv))
     finally:
@@ -473,7 +474,9 @@ def _train_with_inf_on_vision_rank_1(rank, world, argv):
 def test_inf_on_one_encoder_rank_skips_everywhere():
     argv = ["--preset", "tiny", "--steps", "3", "--global-batch", str(GB), "--lr", "1e-3", "--lr-schedule", "constant",
             "--vision-dp", "2", "--lm-dp", "2"]                     # hetero: ranks 0-1 vision, 2-3 language
-    results = run_distributed(_train_with_inf_on_vision_rank_1, 4, argv, timeout=60.0)
+    # vision rank 1's projector weight, in step 2 (its 3rd and 4th backward: two micro-batches a step)
+    results = run_distributed(train_with_inf, 4, argv, 1, lambda vision, lm: vision.mlp1["3"].weight, (3, 4),
+                              timeout=60.0)
     assert [n for _, n in results] == [0, 6, 0, 0]                # the hook fired on rank 1 only, 2 per step
     for rank, (history, _) in enumerate(results):
         assert [h["ok"] for h in history] == [True, False, True], rank

@@ -474,6 +474,10 @@ HETERO_LAYOUTS = [
     _on(4, ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--lm-dp", "2", "--lm-ep", "2", "--micro-batch", "2"],
         "shared:vdp4|pp2-dp2-ep2"),
     _on(4, ["--colocated", "--vision-tp", "1", "--lm-pp", "4", "--micro-batch", "4"], "shared:vdp4|pp4"),
+    _on(4, ["--colocated", "--vision-tp", "2", "--lm-tp", "2", "--lm-pp", "2", "--micro-batch", "2"],
+        "shared:vtp2|tp2-pp2"),
+    _on(4, ["--colocated", "--vision-tp", "2", "--lm-cp", "2", "--lm-pp", "2", "--micro-batch", "2"],
+        "shared:vtp2|cp2-pp2"),
 ]
 
 
@@ -494,6 +498,21 @@ def test_hetero_layout_over_nccl_trains_as_colocated(gpus, layout, colocated_los
     losses = _torchrun(gpus, HETERO + layout, tmp_path, "hetero", timeout=300)
     print(f"hetero {' '.join(layout)}: {losses}; colocated {colocated_losses}")
     assert _close(losses, colocated_losses), (losses, colocated_losses)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_mtp_across_two_stages_over_nccl(tmp_path):
+    """MTP (two depths, LatentMoE) on the last of two stages, the decoder input sent beside the residual stream, the
+    tower on both ranks: the losses and the MTP losses of one GPU's run, to bf16 rounding."""
+    import json
+    mtp = HETERO + ["--moe-latent-size", "16", "--num-nextn-predict-layers", "1", "--mtp-depths", "2"]
+    runs = [_torchrun(gpus, mtp + flags, tmp_path, name, timeout=300) for gpus, flags, name in (
+        (1, [], "one"), (2, ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--micro-batch", "2"], "pp2"))]
+    depths = [[r["mtp_loss"] for r in map(json.loads, open(tmp_path / f"{name}.jsonl")) if "mtp_loss" in r]
+              for name in ("one", "pp2")]
+    print(f"pp2 MTP: {runs[1]} {depths[1]}; one GPU {runs[0]} {depths[0]}")
+    assert _close(runs[1], runs[0]) and len(depths[0]) == 3
+    assert all(_close(a, b) for a, b in zip(depths[1], depths[0]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")

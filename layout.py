@@ -211,28 +211,27 @@ def fit_split(cfg, lay, capacity, cuda=True):
     every stage fits -> that layout, or `lay` where it fits already or no such moves make it fit. Fitting comes
     before speed (the module docstring): the moved layers slow the stage that takes them, and cost.py says by
     how much."""
-    rows = memory.plan(cfg, lay, cuda)
-    if lay.lm_pp == 1 or memory.fits(rows, capacity) is None:
+    if lay.lm_pp == 1 or memory.fits(memory.plan(cfg, lay, cuda), capacity) is None:
         return lay
+
+    def need(c):   # the most a stage of c needs (a hetero tower's row does not change)
+        return max(memory.required({k: r}) for k, r in memory.plan(cfg, c, cuda).items() if k != "vision")
     n, moved = len(cfg.hybrid_override_pattern), lay
     while True:
-        need = {s: memory.required({"stage": rows[f"language pp{s}"]}) for s in range(lay.lm_pp)}
-        worst = max(need, key=need.get)
-        starts = [r.start for r in model.stage_layers(cfg, moved.lm_pp, moved.lm_split)][1:] + [n]
-        tries = []
-        for i, step in ((worst - 1, 1), (worst, -1)):   # its first layer to the stage before, its last to the next
-            if 0 <= i < lay.lm_pp - 1:
-                split = starts[:-1]
-                split[i] += step
-                if all(a < b for a, b in zip([0] + split, split + [n])):
-                    c = dataclasses.replace(moved, lm_split=tuple(split))
-                    tries.append((max(memory.required({k: r}) for k, r in memory.plan(cfg, c, cuda).items()
-                                      if k != "vision"), c))
-        if not tries or min(t[0] for t in tries) >= need[worst]:
-            return lay
-        moved = min(tries, key=lambda t: t[0])[1]
         rows = memory.plan(cfg, moved, cuda)
-        if memory.fits(rows, capacity) is None:
+        needs = [memory.required({"stage": rows[f"language pp{s}"]}) for s in range(lay.lm_pp)]
+        worst, split = needs.index(max(needs)), [r.start for r in model.stage_layers(cfg, lay.lm_pp, moved.lm_split)]
+        tries = []
+        for i, step in ((worst, 1), (worst + 1, -1)):   # its first layer to the stage before, its last to the next
+            if 0 < i < lay.lm_pp:
+                starts = split[:i] + [split[i] + step] + split[i + 1:]
+                if all(a < b for a, b in zip(starts, starts[1:] + [n])):
+                    tries.append(dataclasses.replace(moved, lm_split=tuple(starts[1:])))
+        best = min(tries, key=need, default=None)
+        if best is None or need(best) >= max(needs):
+            return lay
+        moved = best
+        if memory.fits(memory.plan(cfg, moved, cuda), capacity) is None:
             return moved
 
 

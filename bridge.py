@@ -236,7 +236,8 @@ class Bridge:
         return x, head[4:]
 
     def send_grad(self):
-        """After the language backward of the oldest held: the leader returns each link its slice of x.grad (zeros if x got none),
+        """After the language backward of the oldest held: the leader returns each link its slice of x.grad (zeros
+        if x got none),
         summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp ranks agree)."""
         if self.in_place:
             return

@@ -23,9 +23,10 @@ def build(cfg, par, device, skip=frozenset()):
         if par.in_vision:
             modules["vision"] = VisionModel(cfg, par.vision.tp)
         if par.in_lm:
+            split = par.layout.lm_split if par.layout else ()   # one_device(): no layout, one stage
             modules["language"] = model.LanguageModel(cfg, {"tp": par.lm.tp, "cp": par.lm.cp, "ep": par.lm.ep,
                                                             "etp": par.lm.etp}, cfg.moe_dispatcher,
-                                                      (par.lm.pp_rank, par.lm.pp_size), par.layout.lm_split if par.layout else ())
+                                                      (par.lm.pp_rank, par.lm.pp_size), split)
         model.set_trainable(modules, cfg.stage, cfg.train_layers)
         if cfg.lora_rank:   # adapters only: everything else frozen
             lora.apply(modules, cfg, par)

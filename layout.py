@@ -121,7 +121,8 @@ def check_layout(lay, cfg):
             errors.append(f"colocated layout: {vision} and {lm} must both equal WORLD_SIZE {lay.world}")
     elif lay.vision_size + lay.lm_size != lay.world:
         errors.append(f"hetero layout: {vision} + {lm} = {lay.vision_size + lay.lm_size} != WORLD_SIZE {lay.world}")
-    sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay) if f.name not in ("world", "colocated", "lm_split")}
+    sizes = {f.name: getattr(lay, f.name) for f in dataclasses.fields(lay)
+             if f.name not in ("world", "colocated", "lm_split")}
     bad = [f"{k} {v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
     if bad:  # the checks below divide by these
         raise SystemExit("bad parallel layout: sizes must be positive integers: " + ", ".join(bad)

@@ -98,7 +98,8 @@ def local_parameters(cfg, lay, stage=0):
     the size of the group its gradient is summed over (its optimizer domain: vision dp (x cp colocated), the
     stage's language dp x cp, its edp)."""
     counts = parameter_counts(cfg)[0]
-    for kind, groups in (("vision", counts["vision"]), ("language", stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][0])):
+    language = stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][0]
+    for kind, groups in (("vision", counts["vision"]), ("language", language)):
         tp = lay.vision_tp if kind == "vision" else lay.lm_tp
         for (expert, etp_sharded, tp_sharded, trained), numel in groups.items():
             n = numel / (lay.lm_ep * (lay.lm_etp if etp_sharded else 1) if expert else tp if tp_sharded else 1)
@@ -115,7 +116,8 @@ def parameter_bytes(cfg, lay, cuda=True, stage=0):
     distributed = cfg.distributed_optimizer
     out = {kind: {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0, "setup": 0.0}
            for kind in ("vision", "language")}
-    out["language"]["setup"] = 4 * stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][1]   # the sizing model's are full size
+    # the sizing model's parameters are full size
+    out["language"]["setup"] = 4 * stage_counts(cfg, lay.lm_pp, lay.lm_split)[stage][1]
     for kind, expert, trained, n, d in local_parameters(cfg, lay, stage):
         b = out[kind]
         fp32 = trained and optim.fp32_weights(distributed, d, expert, cuda, cfg.activation_checkpointing)

@@ -412,12 +412,17 @@ def count_language_params(cfg, mtp=False):
     with torch.device("meta"):
         lm = LanguageModel(cfg)
     total = sum(p.numel() for n, p in lm.named_parameters() if n.startswith("mtp.") == mtp)
-    per_expert = 2 * (cfg.moe_latent_size or cfg.hidden_size) * cfg.moe_intermediate_size
-    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    idle = idle_expert_params(cfg)
     if not mtp:
         return total, total - cfg.hybrid_override_pattern.count("E") * idle
     blocks = cfg.num_nextn_predict_layers
     return total, (total // blocks - cfg.mtp_pattern.count("E") * idle) if blocks else 0
+
+
+def idle_expert_params(cfg):
+    """Parameters of one MoE layer's routed experts that a token does not run (all but its top-k)."""
+    return (cfg.n_routed_experts - cfg.num_experts_per_tok) * 2 * (cfg.moe_latent_size or cfg.hidden_size) \
+        * cfg.moe_intermediate_size
 
 
 # ---------------------------------------------------------------- FLOPs (for throughput and MFU)
@@ -429,10 +434,8 @@ def layer_flops_per_token(cfg, seq_len):
     with torch.device("meta"):
         params = {k: sum(p.numel() for p in Block(k, cfg, {}, "alltoall").parameters())
                   for k in set(cfg.hybrid_override_pattern)}
-    idle = (cfg.n_routed_experts - cfg.num_experts_per_tok) * 2 * (cfg.moe_latent_size or cfg.hidden_size) \
-        * cfg.moe_intermediate_size
-    extra = {"*": 3 * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim, "M": ssd_flops_per_token(cfg)}
-    layers = [6 * (params[k] - idle * (k == "E")) + extra.get(k, 0) for k in cfg.hybrid_override_pattern]
+    layers = [6 * (params[k] - idle_expert_params(cfg) * (k == "E")) + mixer_flops_per_token(cfg, k, seq_len)
+              for k in cfg.hybrid_override_pattern]
     return layers, lm_flops_per_token(cfg, seq_len) - sum(layers)
 
 
@@ -476,8 +479,15 @@ def lm_flops_per_token(cfg, seq_len):
         mtp_depths(cfg)
     matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size + depths * (block + cfg.vocab_size * cfg.hidden_size))
     layers = cfg.hybrid_override_pattern + cfg.mtp_pattern * depths
-    attn = 3 * layers.count("*") * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
-    return matmul + attn + layers.count("M") * ssd_flops_per_token(cfg)
+    return matmul + sum(mixer_flops_per_token(cfg, k, seq_len) for k in layers)
+
+
+def mixer_flops_per_token(cfg, kind, seq_len):
+    """Training FLOPs per token of a layer's work besides its matmuls (see lm_flops_per_token): attention's scores
+    and values, a Mamba layer's SSD; none for MLP and MoE layers."""
+    if kind == "*":
+        return 3 * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
+    return ssd_flops_per_token(cfg) if kind == "M" else 0
 
 
 def ssd_flops_per_token(cfg):

@@ -164,10 +164,10 @@ EXPERT_GROUPS = ["ep", "etp", "edp"]
 def setup(lay, cfg=None):
     """Build both grids and create the groups the code uses on EVERY rank (new_group is collective over WORLD),
     after init_process_group. Creation order is fixed (docs/parallel.md §5): VISION_GROUPS, LM_GROUPS, EXPERT_GROUPS,
-    the bridge group (no embedding groups: the head is untied, and MTP gets the decoder input from the first stage). Identical rank lists share one group
-    object (colocated grids, size-1 dims): every rank computes the same lists, so the sequence of new_group calls is
-    still identical everywhere. With cfg every group gets torch's timeout watchdog.backstop(cfg.collective_timeout);
-    each group is named for watchdog's messages."""
+    the bridge group (no embedding groups: the head is untied, and MTP gets the decoder input from the first
+    stage). Identical rank lists share one group object (colocated grids, size-1 dims): every rank computes the
+    same lists, so the sequence of new_group calls is still identical everywhere. With cfg every group gets torch's
+    timeout watchdog.backstop(cfg.collective_timeout); each group is named for watchdog's messages."""
     timeout = None
     if cfg is not None:
         check_layout(lay, cfg)

@@ -15,6 +15,8 @@ runs here in set-up, where every stage meets; the shapes and dtype are known on 
 import torch
 import torch.distributed as dist
 
+import vlm
+
 TAG_ACT, TAG_GRAD, TAG_OPEN = 201, 202, 203   # gloo matches by tag: a pair's two directions never cross
 
 
@@ -30,12 +32,12 @@ class Pipe:
         self.up = None if self.first else par.rank - hop
         self.down = None if self.last else par.rank + hop
         self.shape = (lay.micro_batch, cfg.seq_len // lay.lm_cp, cfg.hidden_size)
-        self.dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32   # vlm.autocast's
-        self.device = device
+        self.device = torch.device(device)
+        self.dtype = vlm.compute_dtype(self.device)
         if self.stages > 1:   # each pair's first transfer, both ways, in one batch of every rank of the group
             self._post([(op, torch.zeros(1, device=device), peer, TAG_OPEN) for peer in (self.up, self.down)
                         if peer is not None for op in (dist.isend, dist.irecv)])
-            if torch.device(device).type == "cuda":
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(device)
 
     def _post(self, ops):

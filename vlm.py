@@ -18,9 +18,15 @@ import data
 import model
 
 
+def compute_dtype(device):
+    """What the language model's residual stream runs in: bf16 on CUDA (the weights' dtype there), fp32 on the CPU
+    (the reference)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def autocast(device):
-    """bf16 on CUDA (the weights' dtype there), none on the CPU (fp32, the reference)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    """compute_dtype's autocast on CUDA, none on the CPU."""
+    return torch.autocast("cuda", dtype=compute_dtype(torch.device("cuda")), enabled=device.type == "cuda")
 
 
 def encode(vision, samples, cfg):

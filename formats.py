@@ -32,6 +32,7 @@ LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
 COLUMNS = {"messages": ("messages", "conversations", "text"), "images": ("images", "image")}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MAX_LOGGED = 5  # bad records whose reasons are printed per file under --skip-bad-samples
+INDEX_VERSION = 2   # what an index holds (2: each document's image tokens and images); part of its cache's key
 SPACE = re.compile(r"\s*")
 
 
@@ -354,14 +355,16 @@ def truncate(ids, mask, runs, seq_len):
 # ---------------------------------------------------------------- the index
 
 def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
-    """One pass over a file: every good record's key (byte offset, or parquet row), line (row) and token length.
+    """One pass over a file: every good record's key (byte offset, or parquet row), line (row), token length, and
+    image placeholder tokens and images (a video tubelet counts as one: what the tower's memory needs, data.py).
     Cached beside the file, keyed by its size, mtime and everything that changes lengths or validity. Among the
     ranks of a node, local rank 0 indexes and writes the cache, the others wait for it (_Shared); where the
     directory is read-only every rank indexes for itself."""
     with _reading(path):
         st = os.stat(path)
-    key = hashlib.sha256(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, encoder.fingerprint,
-                                     skip_bad, sorted((columns or {}).items())]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([INDEX_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns,
+                                     encoder.fingerprint, skip_bad, sorted((columns or {}).items())]).encode()
+                         ).hexdigest()[:16]
     cache = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{key}.idx.npz")
     shared = _Shared(cache) if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK) else None
     if shared is not None and not shared.owner:
@@ -383,9 +386,9 @@ def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
         [f"skipped {len(idx['overlong'])} over-long"] * bool(len(idx["overlong"])) + \
         [f"skipped {len(idx['bad'])} bad line(s)"] * bool(len(idx["bad"]))
     if verbose and counts:
-        reasons = list(idx["bad"][:MAX_LOGGED]) + list(idx["overlong"][:MAX_LOGGED])
-        print(f"{path}: {len(idx['offsets'])} documents, " + ", ".join(counts) + "; first reasons:\n  " +
-              "\n  ".join(reasons), flush=True)
+        reasons = list(idx["bad"][:MAX_LOGGED]) + list(idx["overlong"][:MAX_LOGGED])   # none for truncations
+        print(f"{path}: {len(idx['offsets'])} documents, " + ", ".join(counts) +
+              ("; first reasons:\n  " + "\n  ".join(reasons) if reasons else ""), flush=True)
     if not len(idx["offsets"]):
         raise SystemExit(f"{path}: no usable documents")
     return idx
@@ -449,7 +452,8 @@ def _index(path, encoder, columns, skip_bad, progress):
     for key, line, record in tqdm(scan(path, kind, cols), f"indexing {path}", unit=" records", disable=not progress):
         try:
             ids, _, _ = encoder.encode(record(), base, pixels=False, verify=True)
-            rows.extend((key, line, len(ids)))
+            image = np.asarray(ids) == encoder.cfg.image_token_id   # an image's placeholders are one run
+            rows.extend((key, line, len(ids), int(image.sum()), int((image[1:] & ~image[:-1]).sum() + image[0])))
         except Bad as e:
             skip_long = isinstance(e, Overlong) and encoder.overlong != "error"
             if skip_bad or skip_long:
@@ -460,8 +464,9 @@ def _index(path, encoder, columns, skip_bad, progress):
                 raise BadSample(f"{where(path, line, kind)}: {e}") from None
     if too_long:
         raise SystemExit(_overlong_message(path, kind, too_long, encoder.cfg.seq_len))
-    a = np.frombuffer(rows, dtype=np.int64).reshape(-1, 3)
-    return dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], bad=np.array(bad, dtype=str), kind=np.array(kind),
+    a = np.frombuffer(rows, dtype=np.int64).reshape(-1, 5)
+    return dict(offsets=a[:, 0], lines=a[:, 1], lengths=a[:, 2], image_tokens=a[:, 3], images=a[:, 4],
+                bad=np.array(bad, dtype=str), kind=np.array(kind),
                 overlong=np.array(overlong, dtype=str), truncated=np.array(encoder.n_truncated - truncated),
                 columns=np.array(cols, dtype=str))
 

@@ -181,7 +181,7 @@ def check_layout(lay, cfg):
     return lay
 
 
-def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=True):
+def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=True, load=None):
     """The run's layout on `world` ranks from cfg's layout fields (None: not given), checked before any collective.
 
     - No layout field given: with `capacity` (bytes of memory per rank) the chosen layout (the module docstring;
@@ -191,13 +191,15 @@ def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=Tru
       colocated dp = world / tp; hetero takes the ranks the other grid leaves. `colocated` unset: hetero iff a
       vision size is given. With `capacity`, a layout that does not fit it is refused.
     cuda: plan CUDA's bytes (bf16 weights), else the CPU's (fp32). strict=False (the dry run, to show the plan):
-    refuse nothing; when no layout fits, `say` what would and return the closest.
+    refuse nothing; when no layout fits, `say` what would and return the closest. load: the data's tower load
+    (data.tower_load; None: the mock's), what the memory plan counts for the tower.
     """
     given = {k: getattr(cfg, k) for k in config.LAYOUT_FIELDS if getattr(cfg, k) is not None}
     if capacity is not None and not given:
-        return choose(cfg, world, capacity, cuda, say, strict)
-    lay = named(cfg, world, given) if capacity is None else fit_split(cfg, named(cfg, world, given), capacity, cuda)
-    shortfall = capacity is not None and strict and memory.fits(memory.plan(cfg, lay, cuda), capacity)
+        return choose(cfg, world, capacity, cuda, say, strict, load)
+    lay = named(cfg, world, given) if capacity is None else fit_split(cfg, named(cfg, world, given), capacity, cuda,
+                                                                      load)
+    shortfall = capacity is not None and strict and memory.fits(memory.plan(cfg, lay, cuda, load), capacity)
     if shortfall:
         raise SystemExit(f"this layout does not fit: {lay.describe()} needs {shortfall}. Use more ranks (--lm-tp / "
                          "--lm-ep / --vision-tp), --activation-checkpointing, a smaller preset (tiny, small), or see "
@@ -205,21 +207,21 @@ def plan(cfg, world, capacity=None, cuda=True, say=lambda line: None, strict=Tru
     return lay
 
 
-def fit_split(cfg, lay, capacity, cuda=True):
+def fit_split(cfg, lay, capacity, cuda=True, load=None):
     """`lay` with its pipeline stages' layers moved where the compute split (model.stage_layers) leaves a stage
     short of `capacity` bytes (the first stage keeps the most micro-batches in flight): the stage that needs the
     most gives an edge layer to a neighbour, the move that lowers the most-needing stage's need the most, until
     every stage fits -> that layout, or `lay` where it fits already or no such moves make it fit. Fitting comes
     before speed (the module docstring): the moved layers slow the stage that takes them, and cost.py says by
     how much."""
-    if lay.lm_pp == 1 or memory.fits(memory.plan(cfg, lay, cuda), capacity) is None:
+    if lay.lm_pp == 1 or memory.fits(memory.plan(cfg, lay, cuda, load), capacity) is None:
         return lay
 
     def need(c):   # the most a stage of c needs (a hetero tower's row does not change)
-        return max(memory.required({k: r}) for k, r in memory.plan(cfg, c, cuda).items() if k != "vision")
+        return max(memory.required({k: r}) for k, r in memory.plan(cfg, c, cuda, load).items() if k != "vision")
     n, moved = len(cfg.hybrid_override_pattern), lay
     while True:
-        rows = memory.plan(cfg, moved, cuda)
+        rows = memory.plan(cfg, moved, cuda, load)
         needs = [memory.required({"stage": rows[f"language pp{s}"]}) for s in range(lay.lm_pp)]
         worst, split = needs.index(max(needs)), [r.start for r in model.stage_layers(cfg, lay.lm_pp, moved.lm_split)]
         tries = []
@@ -232,7 +234,7 @@ def fit_split(cfg, lay, capacity, cuda=True):
         if best is None or need(best) >= max(needs):
             return lay
         moved = best
-        if memory.fits(memory.plan(cfg, moved, cuda), capacity) is None:
+        if memory.fits(memory.plan(cfg, moved, cuda, load), capacity) is None:
             return moved
 
 
@@ -315,12 +317,12 @@ def valid(lay, cfg):
     return True
 
 
-def choose(cfg, world, capacity, cuda, say, strict):
+def choose(cfg, world, capacity, cuda, say, strict, load=None):
     """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why (not strict,
     the dry run: the table of candidates first). None fits: SystemExit naming what would (not strict: `say` that,
     and return the closest)."""
-    plans = {lay: memory.plan(cfg, lay, cuda) for lay in map(lambda c: fit_split(cfg, c, capacity, cuda),
-                                                              candidates(cfg, world))}
+    plans = {lay: memory.plan(cfg, lay, cuda, load) for lay in map(lambda c: fit_split(cfg, c, capacity, cuda, load),
+                                                                    candidates(cfg, world))}
     if not plans:       # nothing valid: the colocated dp layout's errors say why
         return named(cfg, world, {})
     fitting = [lay for lay, rows in plans.items() if memory.fits(rows, capacity) is None]
@@ -337,7 +339,7 @@ def choose(cfg, world, capacity, cuda, say, strict):
         lay = min(plans, key=lambda c: memory.required(plans[c]))
         why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits {capacity / memory.GIB:.1f} "
                f"GiB per rank (the closest: {lay.describe()} needs {memory.fits(plans[lay], capacity)}). "
-               f"{remedy(cfg, world, capacity, cuda)}; `--dry-run --world-size N` shows the plan")
+               f"{remedy(cfg, world, capacity, cuda, load)}; `--dry-run --world-size N` shows the plan")
         if strict:
             raise SystemExit(why)
         say(why)
@@ -346,7 +348,7 @@ def choose(cfg, world, capacity, cuda, say, strict):
     raised = (f"; micro-batch {lay.micro_batch}, not {cfg.micro_batch}, so that a micro-batch's samples split over "
               f"the {lay.vision_dp} vision lanes" if lay.micro_batch != cfg.micro_batch else "")
     say(f"layout: {lay.describe()}; planned peak {peak / memory.GIB:.1f} GiB per rank of {capacity / memory.GIB:.1f} "
-        f"GiB; {why}{raised}")
+        f"GiB, the tower at {memory.load_source(cfg, load)}; {why}{raised}")
     return lay
 
 
@@ -377,13 +379,13 @@ def table(ranked, plans, rows=8):
     return out
 
 
-def remedy(cfg, world, capacity, cuda):
+def remedy(cfg, world, capacity, cuda, load=None):
     """What would make some layout fit, checked by the same plan: --activation-checkpointing if it is off and
     enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would. Larger
     sizes are searched in place first (a few dozen candidates each, where the others are hundreds), then with
     every candidate (pipelines among them) at the sizes below the one found."""
     def fits_somewhere(c, w, apart=True):
-        return any(memory.fits(memory.plan(c, lay, cuda), capacity) is None for lay in candidates(c, w, apart))
+        return any(memory.fits(memory.plan(c, lay, cuda, load), capacity) is None for lay in candidates(c, w, apart))
 
     if not cfg.activation_checkpointing and fits_somewhere(dataclasses.replace(cfg, activation_checkpointing=True),
                                                            world):

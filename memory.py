@@ -187,11 +187,23 @@ def vision_items(cfg):
     return items
 
 
-def vision_tokens(cfg, lay):
-    """(tower tokens, projector tokens) of one micro-batch of one vision rank (vision_items, a sample each)."""
+def vision_tokens(cfg, lay, load=None):
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank: per sample, `load`'s (tower tokens,
+    projector rows, ...) when given (data.tower_load: the largest sample the data can produce), else the mock
+    sample's (vision_items)."""
+    if load is None:
+        items = vision_items(cfg)
+        load = sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items)
+    return lay.vision_micro_batch * load[0], lay.vision_micro_batch * load[1]
+
+
+def load_source(cfg, load=None):
+    """What the plan's tower load is, in words (the dry run's line)."""
+    if load is not None:
+        return f"{load[0]} tower tokens and {load[1]} image rows a sample at most ({load[2]})"
     items = vision_items(cfg)
-    per = sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items)
-    return lay.vision_micro_batch * per[0], lay.vision_micro_batch * per[1]
+    return (f"{sum(h * w + cfg.class_token_len for h, w, _ in items)} tower tokens a sample (the mock's "
+            + (f"{len(items)} video tubelets)" if items[0][2] > 1 else f"{cfg.mock_image_size} px square image)"))
 
 
 def tower_trains(cfg):
@@ -199,10 +211,10 @@ def tower_trains(cfg):
     return parameter_counts(cfg)[1]
 
 
-def vision_activation_bytes(cfg, lay):
-    """Bytes autograd keeps for one micro-batch of one vision rank (mock images: one per sample). A frozen tower
+def vision_activation_bytes(cfg, lay, load=None):
+    """Bytes autograd keeps for one micro-batch of one vision rank (its samples: vision_tokens). A frozen tower
     keeps nothing (no input of it needs a gradient); the projector keeps its inputs."""
-    S, Q = vision_tokens(cfg, lay)
+    S, Q = vision_tokens(cfg, lay, load)
     C, tp = cfg.vit_hidden, lay.vision_tp
     projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
     if not tower_trains(cfg):
@@ -211,15 +223,16 @@ def vision_activation_bytes(cfg, lay):
     return cfg.vit_depth * per_block + projector
 
 
-def plan(cfg, lay, cuda=True):
+def plan(cfg, lay, cuda=True, load=None):
     """{row: {weights, gradients, optimizer, activations, setup, peak}} bytes per rank kind: "vision" and
     "language", or with pipeline stages "language pp0", "language pp1", ... (colocated: both modules on every rank,
     each row both; at pp 1 the two rows the same, beyond it one a stage). 1F1B (schedule.py): stage s of p keeps
     the activations of min(p - s, n) of the n micro-batches, the encoder min(p + 1, n) (it runs p forwards ahead);
     in place, the language backward runs the encoder's, so it keeps one beside the language model's; on its own
-    lanes, one more while its next forward runs before the language model's."""
+    lanes, one more while its next forward runs before the language model's. load: the data's tower load
+    (vision_tokens; None: the mock's)."""
     p, n = lay.lm_pp, lay.num_microbatches
-    vision, out = vision_activation_bytes(cfg, lay), {}
+    vision, out = vision_activation_bytes(cfg, lay, load), {}
     for s in range(p):
         rows = parameter_bytes(cfg, lay, cuda, s)   # setup: apart from the training peak
         kept, passing = language_activation_bytes(cfg, lay, s)
@@ -243,9 +256,11 @@ def plan(cfg, lay, cuda=True):
 
 
 def capacity(device):
-    """Bytes of memory one rank has: its GPU's, or on the CPU the machine's RAM shared by the local ranks."""
+    """Bytes of memory one rank has: its GPU's (the share torch.cuda.set_per_process_memory_fraction allows: a larger
+    card held to a smaller one's memory), or on the CPU the machine's RAM shared by the local ranks."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        return torch.cuda.get_device_properties(device).total_memory * share
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
@@ -268,19 +283,21 @@ def fits(rows, capacity):
     return None
 
 
-def dry_run(cfg, lay, capacity, predicted):
+def dry_run(cfg, lay, capacity, predicted, load=None):
     """Print the config, the layout, the plan per rank kind (GiB) and whether each kind fits `capacity` bytes per
-    rank, then one JSON line (the last line); `predicted`: the layout's cost.step_seconds."""
+    rank, then one JSON line (the last line); `predicted`: the layout's cost.step_seconds; load: the data's tower
+    load (plan())."""
     (total_lm, active_lm), (total_mtp, _) = model.count_language_params(cfg), model.count_language_params(cfg, True)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
     print("config:", json.dumps(vars(cfg)))
     print(lay.describe())
-    rows = plan(cfg, lay)
+    rows = plan(cfg, lay, load=load)
     opt = "distributed optimizer, bf16 weights" if cfg.distributed_optimizer else "plain AdamW, fp32 weights"
     print(f"memory plan per rank on CUDA ({opt}; micro-batch {lay.micro_batch} x seq_len {cfg.seq_len}, "
-          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; setup: the set-up peak, "
-          f"the weights and one full-size fp32 draw, over before the first step), GiB:")
+          f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}; the tower: "
+          f"{load_source(cfg, load)}; setup: the set-up peak, the weights and one full-size fp32 draw, over before "
+          "the first step), GiB:")
     if lay.colocated and lay.lm_pp > 1:
         print("  (each rank holds the tower and its language stage: each row both)")
     width = max(map(len, rows))
@@ -302,5 +319,5 @@ def dry_run(cfg, lay, capacity, predicted):
                       "layout": lay.describe(),
                       "gib_per_rank": {k: {key: round(v / GIB, 2) for key, v in r.items()} for k, r in rows.items()},
                       "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()},
-                      "capacity_gib": round(capacity / GIB, 2), "fits": fit,
+                      "capacity_gib": round(capacity / GIB, 2), "fits": fit, "tower_load": load_source(cfg, load),
                       "predicted_s": {k: round(v, 4) for k, v in predicted.items()}}))

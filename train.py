@@ -102,13 +102,15 @@ def main(argv=None):
             held.append(checkpoint.hold(cfg.save, line))
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
             torch.device("cpu")
-        capacity = inv.gpu_memory * memory.GIB if inv.dry_run else memory.capacity(device)
-        lay = layout.plan(cfg, world, capacity, cuda=inv.dry_run or device.type == "cuda", say=say,
-                          strict=not inv.dry_run)
-        if inv.dry_run:
-            return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay))
+        if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built
+            capacity = inv.gpu_memory * memory.GIB
+            load = data.tower_load(datasets(cfg, data.load_tokenizer(start.tokenizer, cfg), True)[0], cfg)
+            lay = layout.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load)
+            return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay), load)
+        if any(getattr(cfg, k) is not None for k in config.LAYOUT_FIELDS):
+            layout.plan(cfg, world)   # grid flags that name no valid layout: refused before the ranks meet
         try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
-            run = setup(cfg, inv, lay, start, device)
+            run = setup(cfg, inv, start, device, say)
             # signals from here on: every rank stops at the same micro-batch boundary (failsafe.py)
             stop = failsafe.Stop(device, watchdog.backstop(cfg.collective_timeout))
             history = evaluate_only(run, stop) if inv.eval_only else train(run, stop)
@@ -122,8 +124,9 @@ def main(argv=None):
     return history, run.modules
 
 
-def setup(cfg, inv, lay, start, device):
-    """Process groups, models, optimizer, data and the weights to start from -> Run."""
+def setup(cfg, inv, start, device, say):
+    """Process groups, the data (indexed first: the layout plans its largest sample), the layout, models, optimizer,
+    loaders and the weights to start from -> Run."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -134,6 +137,15 @@ def setup(cfg, inv, lay, start, device):
                                 **({} if "MASTER_ADDR" in os.environ else  # plain `python train.py`
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
+    try:   # a refused layout leaves no process group behind (tests call main() in their process)
+        tokenizer = data.load_tokenizer(start.tokenizer, cfg)
+        train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
+        lay = layout.plan(cfg, world, memory.capacity(device), cuda=device.type == "cuda", say=say,
+                          load=data.tower_load(train_data, cfg))
+    except SystemExit:
+        if own_group:
+            dist.destroy_process_group()
+        raise
     par = parallel.setup(lay, cfg)
     parallel.print_ranks(par)
     lead = par.lm is not None and par.lm.lane_lead and par.lm.dp_rank == 0   # prints the loss
@@ -147,8 +159,7 @@ def setup(cfg, inv, lay, start, device):
         torch.manual_seed(cfg.seed + 30000 + par.vision.dp_rank)
     run.opt = optim.build(par, run.vision, run.lm, cfg, device)
 
-    run.tokenizer = data.load_tokenizer(start.tokenizer, cfg)
-    run.train_data, eval_data = datasets(cfg, run.tokenizer, run.log_rank)
+    run.tokenizer, run.train_data = tokenizer, train_data
     if cfg.skip_bad_samples and cfg.data != "mock":  # also load-time failures, agreed by all ranks each step
         run.train_data = failsafe.SkipBad(run.train_data)
     if inv.eval_only and eval_data is None:

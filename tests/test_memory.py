@@ -269,3 +269,56 @@ def test_set_up_stays_under_the_training_peak_on_the_presets():
         if world == 1:
             assert rows["language"]["setup"] == rows["language"]["weights"] + 4 * 128 * 1856 * 2688
             assert round(rows["language"]["setup"] / memory.GIB, 2) == 63.52
+
+
+# ---------------------------------------------------------------- the tower's load from the data
+
+def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
+    """data.tower_load on bench/real_shaped.py's small form: the index counts each document's image placeholders and
+    images as its samples hold them; unpacked, the largest document exactly; packed, a bound at or above every row
+    of the first epochs (and below seq_len's worth of patches and class tokens); the mock: None (memory knows its
+    image). The plan grows with it."""
+    import data
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import real_shaped
+    path = real_shaped.write(str(tmp_path), records=96, seed=3, small=True)
+    argv = ["--preset", "tiny", "--seq-len", "256", "--data", path, "--overlong", "truncate"]
+
+    def tower(s):   # tower tokens and rows of a sample's images
+        p, K = 16, 2
+        return (sum((i.shape[1] // p) * (i.shape[2] // p) + K for i in s.images),
+                sum((i.shape[1] // p) * (i.shape[2] // p) // 4 for i in s.images))
+    loads = {}
+    for pack in (False, True):
+        cfg = cli.config_of(argv + (["--pack"] if pack else []))
+        ds, _ = data.build(cfg, data.load_tokenizer(None, cfg), verbose=False)
+        idx = ds.sources[0][2]
+        docs = [ds.load(0, d, True) for d in range(len(idx["offsets"]))]
+        assert idx["image_tokens"].tolist() == [sum(t == cfg.image_token_id for t in ids) for ids, _, _ in docs]
+        assert idx["images"].tolist() == [len(ims) for _, _, ims in docs]
+        most = data.tower_load(ds, cfg)
+        seen = [tower(ds.sample(i)) for i in range(2 * len(ds))]
+        if pack:
+            assert all(t <= most[0] and r <= most[1] for t, r in seen)
+            assert max(t for t, _ in seen) > 0.5 * most[0] and most[0] < 4 * 256 + 2 * max(idx["images"]) * 4
+        else:
+            assert (most[0], most[1]) == (max(t for t, _ in seen), max(r for _, r in seen))
+        loads[pack] = most
+        lay = layout.plan(cfg, 1)
+        assert memory.vision_tokens(cfg, lay, most)[0] == most[0] and memory.vision_tokens(cfg, lay)[0] == 16 + 2
+        assert memory.plan(cfg, lay, load=most)["vision"]["peak"] > memory.plan(cfg, lay)["vision"]["peak"]
+    assert loads[True][0] > loads[False][0] and "packed" in loads[True][2]
+    assert data.tower_load(__import__("mock").MockData(cfg, 0), cfg) is None
+
+
+def test_the_dry_run_plans_the_data_s_largest_sample(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import real_shaped
+    path = real_shaped.write(str(tmp_path), records=64, seed=0, small=True)
+    out = subprocess.run([sys.executable, "train.py", "--preset", "tiny", "--seq-len", "256", "--data", path, "--pack",
+                          "--overlong", "truncate", "--dry-run", "--world-size", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "densest seq_len of packed documents" in last["tower_load"] and path in last["tower_load"]
+    assert "the tower: " in out.stdout and "the tower at " in out.stdout

@@ -64,9 +64,13 @@ def cpe_random_crop(table_1PC, h, w, R):
 
 def packed_attention(q_SAd, k_SAd, v_SAd, seqlens, mode=None):
     """Bidirectional attention restricted to each image's segment -> [S, A, d]: mode "mask" (the CPU's) one SDPA
-    call with the block-diagonal mask (O(S²) memory), "loop" (CUDA's) one unmasked SDPA call per image. On CUDA that
-    runs the flash kernel: on H200, torch 2.11, bf16, ViT-H heads, 2-9x faster than the masked call and than
-    nested-jagged SDPA, from 1x13k to 32x266-token images (4x4106: 4.1 ms fwd+bwd vs 32 mask / 14 NJT)."""
+    call with the block-diagonal mask (O(S²) memory), "loop" (CUDA's) one unmasked SDPA call per image: cuDNN's
+    kernel on Hopper, the fastest measured on ViT-H's heads of 80 (H200, torch 2.11, fwd + bwd a layer: one 2048²
+    image 13.4 ms, flash varlen 21.9; 14 images of 27k tokens 7.4 ms, flash varlen 8.4; bench/attention_kernels.py).
+    With several images each one's q, k, v are copied into contiguous [1, A, N, d] tensors and its output's gradient
+    made contiguous: given views of the packed sequence (at an offset, with the qkv GEMM's strides) cuDNN 9.19's
+    backward failed (`mha_graph.execute`), read out of bounds or returned wrong gradients on real-shaped
+    micro-batches (bench/2026-11-28-real-shaped.md); one image at offset 0, the mock's layout, never did."""
     mode = mode or ("loop" if q_SAd.is_cuda else "mask")
     q, k, v = (t.transpose(0, 1)[None] for t in (q_SAd, k_SAd, v_SAd))   # [1, A, S, d]: 4-D, or no flash
     if mode == "mask" and len(seqlens) > 1:
@@ -75,8 +79,13 @@ def packed_attention(q_SAd, k_SAd, v_SAd, seqlens, mode=None):
     elif len(seqlens) == 1:
         o_1ASd = F.scaled_dot_product_attention(q, k, v)
     else:
-        o_1ASd = torch.cat([F.scaled_dot_product_attention(qi, ki, vi) for qi, ki, vi in
-                            zip(q.split(seqlens, 2), k.split(seqlens, 2), v.split(seqlens, 2))], 2)
+        outs = []
+        for qi, ki, vi in zip(q.split(seqlens, 2), k.split(seqlens, 2), v.split(seqlens, 2)):
+            o_1ANd = F.scaled_dot_product_attention(qi.contiguous(), ki.contiguous(), vi.contiguous())
+            if o_1ANd.requires_grad:
+                o_1ANd.register_hook(torch.Tensor.contiguous)   # its gradient is a strided slice of the cat's
+            outs.append(o_1ANd)
+        o_1ASd = torch.cat(outs, 2)
     return o_1ASd[0].transpose(0, 1)
 
 

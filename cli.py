@@ -15,6 +15,7 @@ import torch
 import config
 import data
 import failsafe
+import watchdog
 
 DESCRIPTION = "Train the VLM:  torchrun --nproc_per_node=N train.py --preset P [--FIELD VALUE ...]"
 ERROR_GRACE_S = 5.0     # a rank other than 0 waits this long before it reports a user error (see run)
@@ -108,36 +109,73 @@ def run(main, argv=None):
     """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed
     as one line `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug
     shows its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone)
-    keeps quiet the same way: that rank says why. A signal before training starts (failsafe.Stop takes them from then
-    on): one line, 128 + the signal. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
+    keeps quiet the same way: that rank says why. Any other error ends every rank (fail). A signal before training
+    starts (failsafe.Stop takes them from then on): one line, 128 + the signal; once main() is over, a signal ends
+    the process at once. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
     rank = int(os.environ.get("RANK", 0))
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    # NCCL's watchdog thread would abort a process whose CUDA context broke (SIGABRT, no line, before the main thread
+    # sees the error): leave the error to the main thread, and so to fail()
+    os.environ.setdefault("TORCH_NCCL_RETHROW_CUDA_ERRORS", "0")
     for sig in failsafe.SIGNALS:
         signal.signal(sig, failsafe.interrupt)
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         torch.set_num_threads(1)   # as torchrun does: more threads collapse (5-16x a step) on shared cores
     try:
         main(argv)
-    except failsafe.Interrupted as e:
-        if rank == 0:
-            print(f"interrupted by {e.name} before training started: nothing to save", file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)
-    except (SystemExit, data.BadSample, RuntimeError) as e:
-        if isinstance(e, SystemExit):
-            msg = e.code
-        elif isinstance(e, RuntimeError):
-            msg = failsafe.peer_gone(e, rank)
-        else:   # a DataLoader worker's BadSample carries the worker's traceback: its last line is the message
-            bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
-            msg = f"{bad_line}. Fix the line or pass --skip-bad-samples"
-        if not isinstance(msg, str):              # --help, a plain exit status, any other RuntimeError
-            raise
-        if "--debug" in (sys.argv[1:] if argv is None else argv):
+    except BaseException as e:
+        _over()
+        if isinstance(e, failsafe.Interrupted):
+            if rank == 0:
+                print(f"interrupted by {e.name} before training started: nothing to save", file=sys.stderr,
+                      flush=True)
+            sys.exit(128 + e.signum)
+        msg = user_error(e, rank)
+        if msg is None:
+            if not isinstance(e, Exception):   # --help, a plain exit status, Ctrl-C outside cli.run's handler
+                raise
+            fail(e, rank, debug)
+        if debug:
             traceback.print_exc()
-        if rank != 0:   # rank 0 most likely failed too (or first): its exit makes torchrun end this process (its
-            for sig in (signal.SIGTERM, signal.SIGHUP):   # signal, which failsafe.Stop would only note); if not,
-                signal.signal(sig, signal.SIG_DFL)         # the error was this rank's only
-            if failsafe.taken:   # torchrun's signal came first: it is ending the run
+        if rank != 0:   # rank 0 most likely failed too (or first): its exit makes torchrun end this process (by a
+            if failsafe.taken:   # signal, which now ends it); torchrun's signal came first: it is ending the run
                 sys.exit(128 + failsafe.taken)
-            time.sleep(ERROR_GRACE_S)
+            time.sleep(ERROR_GRACE_S)   # if not, the error was this rank's only
         print(f"error: {msg.removeprefix('error: ')}", file=sys.stderr, flush=True)
         sys.exit(2)
+    _over()
+
+
+def _over():
+    """main() is over: a signal now ends the process at once (failsafe.Stop's handler would only note it, and the
+    interpreter's exit can hang: NCCL communicators, DataLoader workers)."""
+    for sig in failsafe.SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def user_error(e, rank):
+    """The line of an error that is the user's, or that another rank's (failsafe.peer_gone), else None."""
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, str) else None
+    if isinstance(e, data.BadSample):   # a DataLoader worker's carries the worker's traceback: its last line says it
+        bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
+        return f"{bad_line}. Fix the line or pass --skip-bad-samples"
+    return failsafe.peer_gone(e, rank) if isinstance(e, RuntimeError) else None
+
+
+def fail(error, rank, debug):
+    """An error that is no user's (a CUDA error, out of memory, a bug) ends every rank within seconds
+    (docs/failures.md §11): one line, `error: rank R failed in <its watchdog mark>: <Type: message> (<where it was
+    raised in this repository's code>)`, from the first rank to fail; the others learn it from the store
+    (watchdog.fail) and end quietly. The process ends at once (os._exit): its interpreter's exit can hang
+    (NCCL communicators, DataLoader workers, a broken CUDA context); the GPU memory is freed when it is gone."""
+    if debug:
+        traceback.print_exc()
+    said = str(error).strip().splitlines()
+    line = (f"error: rank {rank} failed in {watchdog.where()}: {type(error).__name__}{': ' + said[0] if said else ''}"
+            f" ({watchdog.raised_at(error.__traceback__)})")
+    if watchdog.fail(line):
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog.leave(watchdog.FAILED_STATUS, quiet=False)

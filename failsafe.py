@@ -7,7 +7,9 @@ one line. Every rank calls Stop() at the same micro-batch boundaries (a one-int 
 GPU sync; where it sits relative to the bridge is schedule.py's rule); once any rank was signalled, all abandon the
 step in progress (the schedule matches the bridge traffic in flight, abandon_step puts gradients, expert counts, RNG
 and data position back to the step's start) or the evaluation in progress (nothing to undo: it is not scored), save
-the last completed step synchronously and exit with 128 + signal.
+the last completed step synchronously and exit with 128 + signal. A main thread blocked where it cannot reach
+that boundary (a collective on a rank that stopped beating) runs no handler: the watchdog's thread then ends the
+process with 128 + the signal (watchdog.py); after main(), or once this rank fails, a signal ends it at once (cli.run).
 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
@@ -24,7 +26,7 @@ import data
 import moe
 import watchdog
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # a scheduler, Ctrl-C, a closed terminal / torchrun
+SIGNALS = watchdog.SIGNALS   # a scheduler, Ctrl-C, a closed terminal / torchrun
 interrupted = 0   # the signal a run of main() stopped on (0: none); the process exits with 128 + it
 taken = 0         # the first of SIGNALS this process took since its Stop was made (0: none; read by cli.run)
 

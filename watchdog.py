@@ -1,5 +1,6 @@
-"""Nothing hangs (docs/parallel.md §9): a run whose ranks stop making progress ends within --collective-timeout,
-with one line from one rank naming the operation it waits in, its group and the rank that does not answer.
+"""Nothing hangs, and one rank's failure ends the run (docs/parallel.md §9, docs/failures.md §2, §11): a run whose
+ranks stop making progress ends within --collective-timeout, with one line from one rank naming the operation it
+waits in, its group and the rank that does not answer.
 
 The main thread marks where it is (mark: a new place, e.g. a micro-batch; progress: still busy in the same place,
 e.g. one more file written). A daemon thread per rank beats into the run's store: a sequence number, whether the
@@ -8,10 +9,25 @@ evaluation) and where it waits, read off its stack. An overdue rank looks at the
 rank is overdue too or has stopped beating (a stopped, crashed or swapping process), the run is stuck: the first
 rank to claim the verdict prints the line, and every rank that sees it exits with EXIT_STATUS (torchrun then ends
 the rest). torch's own process-group timeouts (the timeout plus BACKSTOP_S) end the run only if this thread cannot.
+
+A rank whose main() raises an error that is no user's (cli.run) claims the `failed` key with its line (fail) and
+ends its process. Every TICK_S each thread looks for that key and for a verdict, and ends its process quietly when
+it finds one, whatever its main thread waits in (a collective on the failed rank would wait for ever over NCCL).
+
+Signals: Python runs a handler only when the main thread executes bytecode, which a main thread blocked in a
+collective does not. So the interpreter's C handler also writes the signal's number to a socket this thread reads
+(signal.set_wakeup_fd). The main thread's handler stops the run at the next micro-batch boundary (failsafe.Stop);
+where it cannot get there, because a rank stopped beating or the store is gone, this thread ends the process with
+128 + the signal.
 """
 import datetime
 import json
+import math
+import multiprocessing
 import os
+import select
+import signal
+import socket
 import sys
 import threading
 import time
@@ -19,12 +35,18 @@ import time
 import torch.distributed as dist
 
 EXIT_STATUS = 3          # a stuck run (2: a user error, 128 + N: a signal)
+FAILED_STATUS = 1        # a rank failed: it and every other rank exit with this
 FIRST = 4                # set-up, the first step and the first evaluation of a process: this many timeouts
 BACKSTOP_S = 3600.0      # torch's own process-group timeouts: the timeout plus this
+TICK_S = 1.0             # how often the thread looks for a failed rank, a verdict and signals
+HOLD_S = 3.0             # how long a failing rank that hosts the store keeps it for the others to read its line
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)   # a scheduler, Ctrl-C, a closed terminal / torchrun
 HERE = os.path.dirname(os.path.abspath(__file__))
+MINE = os.path.join(HERE, "watchdog.py")
 
 _names = {}              # process group -> its label in messages (parallel.setup, failsafe.Stop)
-_active = None           # this process's Watchdog while main() runs, else None
+_active = None           # this process's Watchdog, from start() (its thread ends with stop()); None on one rank
+_state = ("set-up", time.monotonic(), True)   # where the watched thread is: (mark, since when, a first's allowance)
 
 
 def name(group, label):
@@ -37,42 +59,95 @@ def backstop(timeout):
 
 
 def start(timeout, beat=None):
-    """Watch this process (the calling thread is the one watched); nothing to watch on one rank."""
+    """Watch this process (the calling thread, the main one, is the one watched); nothing to watch on one rank."""
     global _active
     stop()
-    if dist.get_world_size() > 1:
-        _active = Watchdog(timeout, beat)
+    mark("set-up", first=True)
+    _active = Watchdog(timeout, beat) if dist.get_world_size() > 1 else None
 
 
 def stop():
-    """The watched thread leaves main(): normally, or by an error another rank's exit caused after a verdict (then
-    it exits as the watchdog would, without a traceback)."""
-    global _active
-    if _active is not None:
+    """The watched thread leaves main() (from a finally: sys.exc_info() holds the error main() raises, if any):
+    normally, or by an error (cli.run then calls fail), or by an error that another rank's end caused: after a
+    verdict or a failed rank it exits as the watchdog would, quietly."""
+    if _active is not None and not _active.done.is_set():
+        signal.set_wakeup_fd(_active.old_wakeup)   # before the socket closes: its number may be reused
         _active.done.set()
-        if _active.stuck():
-            _exit()
-        _active = None
+        _active.wakeup_w.close()
+        if sys.exc_info()[1] is not None:
+            try:
+                _active.ended()
+            except Exception:   # no store: nothing to learn
+                pass
 
 
-def _exit():
-    devnull = os.open(os.devnull, os.O_WRONLY)   # what the dying run raises in this rank's main thread meanwhile
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os._exit(EXIT_STATUS)
+def fail(line):
+    """This rank's main() failed: tell the others (the `failed` key holds its line) -> whether this rank reports it
+    (False: another rank failed first). Rank 0 of a run without torchrun's agent hosts the store in its process:
+    it keeps it until every rank is going (HOLD_S at most)."""
+    if _active is None:
+        return True
+    store = _active.store
+    try:
+        store.set_timeout(datetime.timedelta(seconds=HOLD_S))
+        first = store.compare_set("failed", "", line).decode() == line
+        store.add("gone", 1)
+        if _active.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            until = time.monotonic() + HOLD_S
+            while store.add("gone", 0) < _active.world and time.monotonic() < until:
+                time.sleep(0.05)
+        return first
+    except Exception:   # no store: nobody to tell
+        return True
+
+
+def leave(status, quiet=True):
+    """Ends this process at once (os._exit: the interpreter's exit can hang), its DataLoader workers first (they would
+    look for it gone only every 5 s). quiet: what the dying main thread raises meanwhile goes to /dev/null."""
+    try:
+        for worker in multiprocessing.active_children():
+            worker.kill()
+    except Exception:   # the main thread changed them meanwhile: they end on their own
+        pass
+    if quiet:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    os._exit(status)
 
 
 def mark(where, first=False):
     """The watched thread is at a new place; it may stay there the timeout (FIRST times it in a first step)."""
-    if _active is not None:
-        _active.state = (where, time.monotonic(), _active.timeout * (FIRST if first else 1))
+    global _state
+    _state = (where, time.monotonic(), first)
 
 
 def progress():
     """Still busy at the same place (a long loop of its own: files written, tensors read)."""
-    if _active is not None:
-        where, _, limit = _active.state
-        _active.state = (where, time.monotonic(), limit)
+    global _state
+    _state = (_state[0], time.monotonic(), _state[2])
+
+
+def where():
+    """The watched thread's mark: 'step 3, micro-batch 2/4'."""
+    return _state[0]
+
+
+def raised_at(tb):
+    """'model.py:137 Block.forward': where a traceback's error was raised, in this repository's code."""
+    places = []
+    while tb is not None:
+        places.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    return _at(places)
+
+
+def _at(places):
+    """'file.py:line Class.function' of the innermost of (code, line) `places` (outermost first) that is this
+    repository's code, watchdog.py aside (else of the innermost)."""
+    ours = [(c, n) for c, n in places if c.co_filename.startswith(HERE + os.sep) and c.co_filename != MINE]
+    code, line = (ours or places)[-1]
+    return f"{os.path.basename(code.co_filename)}:{line} {code.co_qualname}"
 
 
 def waiting_in(frame):
@@ -84,10 +159,7 @@ def waiting_in(frame):
         frames.append(frame)
         frame = frame.f_back
     frames.reverse()                                   # outermost first
-    ours = [f for f in frames if f.f_code.co_filename.startswith(HERE + os.sep)
-            and f.f_code.co_filename != os.path.join(HERE, "watchdog.py")]
-    at = ours[-1] if ours else frames[-1]
-    line = f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno} {at.f_code.co_qualname}"
+    line = _at([(f.f_code, f.f_lineno) for f in frames])
     call = next((f for f in frames if f.f_code.co_filename.endswith("distributed_c10d.py")), None)
     if call is None:
         return f"the wait at {line}"
@@ -116,55 +188,109 @@ class Watchdog:
         self.store = dist.PrefixStore("watchdog/", dist.distributed_c10d._get_default_store().clone())
         self.store.set_timeout(datetime.timedelta(seconds=max(10 * self.beat, 30)))
         self.watched = threading.get_ident()
-        self.state = ("set-up", time.monotonic(), self.timeout * FIRST)
+        self.ticks = math.ceil(self.beat / TICK_S)     # a beat every this many ticks
         self.seq, self.seen = 0, {}                    # seen: rank -> (its last sequence number, when it changed)
+        self.signalled = 0                             # the first of SIGNALS this process got (0: none)
+        self.wakeup, self.wakeup_w = socket.socketpair()   # the C handler writes each signal's number into it
+        self.wakeup_w.setblocking(False)
+        self.old_wakeup = signal.set_wakeup_fd(self.wakeup_w.fileno(), warn_on_full_buffer=False)
         self.done = threading.Event()
         threading.Thread(target=self._run, name="watchdog", daemon=True).start()
 
     def _run(self):
+        ticks = 0
         try:
-            while not self.done.wait(self.beat):
-                if self.stuck():
-                    _exit()
-                self._check()
-        except Exception:   # the store is gone: the launcher is ending the run
-            return
+            while self._wait():
+                self.ended()
+                silent = self.signalled and self._silent()
+                if silent:   # the main thread may never get to its signal
+                    self._interrupted(silent)
+                ticks += 1
+                if ticks % self.ticks == 0:
+                    self._check()
+        except Exception:   # the store stopped answering: its host ended (the launcher, or rank 0 without it)
+            self._alone()
+        self.wakeup.close()
 
-    def stuck(self):
-        """Whether some rank declared the run stuck."""
-        try:
-            return self.store.check(["verdict"])
-        except Exception:
-            return False
+    def _wait(self):
+        """A tick's wait for a signal (noted in .signalled) -> whether the watched thread is still in main()."""
+        if select.select([self.wakeup], [], [], self.beat / self.ticks)[0]:
+            got = [s for s in self.wakeup.recv(64) if s in SIGNALS]
+            self.signalled = self.signalled or (got[0] if got else 0)
+        return not self.done.is_set()
+
+    def ended(self):
+        """Exits quietly when another rank ended the run: after a failure (FAILED_STATUS) or a verdict."""
+        if self.store.check(["failed"]):
+            self.store.add("gone", 1)   # a failed rank 0 may host the store: it waits for every rank's (fail)
+            leave(FAILED_STATUS)
+        if self.store.check(["verdict"]):
+            leave(EXIT_STATUS)
+
+    def _place(self):
+        """(where, since when, how long it may stay there) of the watched thread."""
+        where, since, first = _state
+        return where, since, self.timeout * (FIRST if first else 1)
+
+    def _waits(self):
+        frame = sys._current_frames().get(self.watched)
+        return waiting_in(frame) if frame is not None else "exited"
 
     def _check(self):
-        where, since, limit = self.state
-        frame = sys._current_frames().get(self.watched)
-        now = time.monotonic()
+        where, since, limit = self._place()
+        now, waits = time.monotonic(), self._waits()
         overdue = now - since > limit
-        waits = waiting_in(frame) if frame is not None else "exited"
         self.seq += 1
         self.store.set(str(self.rank), json.dumps([self.seq, overdue, where, waits]))
         if not overdue or self.done.is_set():
             return
-        others = {}
-        keys = [str(r) for r in range(self.world) if r != self.rank]
-        if not self.store.check(keys):                 # one read for all once every rank has beaten
-            keys = [k for k in keys if self.store.check([k])]
-        for k, value in zip(keys, self.store.multi_get(keys) if keys else []):
-            r, (seq, r_overdue, r_where, r_waits) = int(k), json.loads(value)
-            if self.seen.get(r, (None,))[0] != seq:
-                self.seen[r] = (seq, now)
-            alive = now - self.seen[r][1] < 3 * self.beat
-            others[r] = (alive, r_overdue, r_where, r_waits)
-        if len(others) < self.world - 1 and now - since < limit + 3 * self.beat:
-            return                                     # a rank that never beat: give it the same three beats
+        others = self._others(now)
         if any(alive and not r_overdue for alive, r_overdue, _, _ in others.values()):
             return                                     # another rank still makes progress: not stuck (yet)
         if self.store.add("verdict", 1) == 1:   # the first rank to see it reports; the others see the key and go
             print("error: " + self._message(where, waits, limit, others), file=sys.stderr, flush=True)
             self.done.wait(2 * self.beat)
-        _exit()
+        leave(EXIT_STATUS)
+
+    def _others(self, now):
+        """{rank: (alive, overdue, where, waits)} of the other ranks, from their beats; alive: a new one within the
+        last three beats (a rank yet to beat: within three beats of this thread's first look)."""
+        keys = [str(r) for r in range(self.world) if r != self.rank]
+        if not self.store.check(keys):                 # one read for all once every rank has beaten
+            keys = [k for k in keys if self.store.check([k])]
+        beats = {int(k): json.loads(v) for k, v in zip(keys, self.store.multi_get(keys) if keys else [])}
+        others = {}
+        for r in set(range(self.world)) - {self.rank}:
+            seq, overdue, where, waits = beats.get(r, (None, False, "set-up", "no beat yet"))
+            if r not in self.seen or self.seen[r][0] != seq:
+                self.seen[r] = (seq, now)
+            others[r] = (now - self.seen[r][1] < 3 * self.beat, overdue, where, waits)
+        return others
+
+    def _silent(self):
+        return sorted(r for r, (alive, *_) in self._others(time.monotonic()).items() if not alive)
+
+    def _interrupted(self, silent):
+        """A signal while `silent` ranks stopped beating (or, empty, the store is gone): the main thread may wait
+        on them for ever, so the process ends now (the lowest rank still beating says why)."""
+        name = signal.Signals(self.signalled).name
+        if silent and self.rank == min(set(range(self.world)) - set(silent)):
+            print(f"interrupted by {name} while {_ranks(silent)} {'does' if len(silent) == 1 else 'do'} not "
+                  "answer: ended without saving", file=sys.stderr, flush=True)
+        leave(128 + self.signalled)
+
+    def _alone(self):
+        """The store is gone. On a normal end the main thread leaves main() soon; otherwise nobody can answer this
+        rank any more: a signal ends it at once, and so does being overdue (EXIT_STATUS, with a line)."""
+        while self._wait():
+            if self.signalled:
+                self._interrupted([])
+            where, since, limit = self._place()
+            if time.monotonic() - since > limit:
+                print(f"error: {self._waits()} did not complete in {limit:g} s on rank {self.rank} ({where}), and "
+                      "the run's store stopped answering: the launcher or rank 0 ended. See their output",
+                      file=sys.stderr, flush=True)
+                leave(EXIT_STATUS)
 
     def _message(self, where, waits, limit, others):
         silent = sorted(set(range(self.world)) - {self.rank} - {r for r, o in others.items() if o[0]})

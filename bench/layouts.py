@@ -1,6 +1,6 @@
 """Time train.py in several layouts of one model on this machine's GPUs against the chooser's, beside its predictions.
 
-  python bench/layouts.py [--only NAME ...] [--steps 20] [--out DIR]
+  python bench/layouts.py [--only NAME ...] [--steps 20] [--out DIR] [--real DIR] [--cap-gib GIB]
 
 Each configuration (a layout at stage 2 and 3) runs `torchrun --standalone train.py ... --metrics-file` (with a `timeout`), and
 `train.py ... --dry-run --world-size N --gpu-memory <this GPU's GiB>` for the plan. One JSON line per run: the
@@ -47,19 +47,34 @@ LAYOUTS = {   # name: train.py's grid flags (none: the chooser's)
 }
 CONFIGS = {f"20l-stage{stage}-{name}": (4, L20 + flags + ["--stage", str(stage)])   # name: (GPUs, arguments)
            for stage in (2, 3) for name, flags in LAYOUTS.items()}
+# Real-shaped data (bench/real_shaped.py, --real DIR): the 20l with 16 experts at stage 3 on one GPU, and on 2 GPUs
+# in the chooser's pick and one layout of each other kind (bench/2026-11-28-real-shaped.md)
+E16 = L20 + ["--n-routed-experts", "16", "--stage", "3", "--pack", "--overlong", "truncate", "--num-workers", "4"]
+CONFIGS["20l16e-real-one"] = (1, E16)
+CONFIGS.update({f"20l16e-real-{name}": (2, E16 + flags)
+                for name, flags in {
+                    "chosen": [],
+                    "cp2": ["--colocated", "--lm-cp", "2"],
+                    "hetero-v1-l1": ["--vision-tp", "1", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "1"],
+                    "own-vdp2-ltp2ep2": ["--colocated", "--vision-tp", "1", "--vision-dp", "2", "--lm-tp", "2",
+                                         "--lm-ep", "2", "--micro-batch", "2"],
+                    "shared-vdp2-pp2": ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--micro-batch", "2"],
+                }.items()})
 
 
-def run(name, gpus, argv, steps, out, timeout):
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+def run(name, gpus, argv, steps, out, timeout, cap=None):
+    """cap: GiB each rank is held to (bench/capped.py), planned for by the dry run too."""
+    gib = cap or torch.cuda.get_device_properties(0).total_memory / 2**30
     dry = subprocess.run([sys.executable, "train.py", *argv, "--dry-run", "--world-size", str(gpus), "--gpu-memory",
                           f"{gib:.1f}"], cwd=ROOT, capture_output=True, text=True)
     plan = json.loads(dry.stdout.strip().splitlines()[-1]) if dry.returncode == 0 else {}
     metrics = os.path.join(out, f"{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    proc = subprocess.run(["timeout", str(timeout), "torchrun", "--standalone", f"--nproc_per_node={gpus}",
-                           "train.py", *argv, "--steps", str(steps), "--metrics-file", metrics], cwd=ROOT,
-                          capture_output=True, text=True)
+    script = ["bench/capped.py", str(cap)] if cap else ["train.py"]
+    proc = subprocess.run(["timeout", "-s", "KILL", str(timeout), "torchrun", "--standalone",
+                           f"--nproc_per_node={gpus}", *script, *argv, "--steps", str(steps), "--metrics-file",
+                           metrics], cwd=ROOT, capture_output=True, text=True)
     lines = proc.stdout.splitlines()
     chosen = next((x for x in lines if x.startswith(("layout:", "hetero layout", "colocated layout"))), None)
     recs = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
@@ -76,7 +91,9 @@ def run(name, gpus, argv, steps, out, timeout):
             "tok_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in warm),
             "mfu": statistics.median(r["mfu"] or 0.0 for r in warm), "first_step_s": recs[0]["step_time_s"],
             "peak_gib": peaks, "plan_gib": {k: plan.get("peak_gib_per_rank", {}).get("language" if k == "both" else k) for k in peaks},
-            "predicted_s": plan.get("predicted_s")}
+            "tower_load": plan.get("tower_load"), "predicted_s": plan.get("predicted_s"),
+            "step_s_max_over_median": max(r["step_time_s"] for r in warm) / statistics.median(
+                r["step_time_s"] for r in warm), "capped_gib": cap}
 
 
 def main():
@@ -85,10 +102,17 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--timeout", type=int, default=240, help="seconds a run may take")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--real", metavar="DIR", default="/tmp/real-shaped", help="the real-shaped data set of the "
+                   "20l16e-real-* configs: DIR/train.jsonl (bench/real_shaped.py writes it there if it is missing)")
+    p.add_argument("--cap-gib", type=float, default=None, help="hold each rank to this many GiB (bench/capped.py)")
     a = p.parse_args()
     for name, (gpus, argv) in CONFIGS.items():
         if (a.only is None or name in a.only) and torch.cuda.device_count() >= gpus:
-            print(json.dumps(run(name, gpus, argv, a.steps, a.out, a.timeout)), flush=True)
+            if "-real-" in name:
+                import real_shaped
+                path = os.path.join(a.real, "train.jsonl")
+                argv = argv + ["--data", path if os.path.exists(path) else real_shaped.write(a.real)]
+            print(json.dumps(run(name, gpus, argv, a.steps, a.out, a.timeout, a.cap_gib)), flush=True)
 
 
 if __name__ == "__main__":

@@ -262,11 +262,20 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
         tok.save(out_dir)
 
 
+# Fields an export keeps from the source: max_position_embeddings is the context it was released for (serving stacks
+# read it as the context length; the decoder has no position embeddings), where a run's seq_len is only what it
+# trained on
+SOURCE_WINS = ("max_position_embeddings",)
+
+
 def _merge_config(theirs, ours):
-    """The source's config.json with our fields written over it (nested configs alike). RADIO's class tokens and
-    registers keep the source's split of the same total; a `dtype` key (transformers 5) follows our torch_dtype."""
+    """The source's config.json with our fields written over it (nested configs alike), but SOURCE_WINS. RADIO's
+    class tokens and registers keep the source's split of the same total; a `dtype` key (transformers 5) follows our
+    torch_dtype."""
     out = dict(theirs)
     for k, v in ours.items():
+        if k in SOURCE_WINS and k in theirs:
+            continue
         out[k] = _merge_config(theirs[k], v) if isinstance(v, dict) and isinstance(theirs.get(k), dict) else v
     if "torch_dtype" in ours and "dtype" in theirs:
         out["dtype"] = ours["torch_dtype"]

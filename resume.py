@@ -59,15 +59,15 @@ def resolve(inv, given, world, say):
     else:
         _refuse(record, given, config.FIXED_ON_RESUME, f"--load {load} resumes its run")
         # the run goes on saving where it was loaded from (a copy of a run saves into the copy)
-        record = dataclasses.replace(record, save=_save_dir(load, step_dir))
+        saved = record = dataclasses.replace(record, save=_save_dir(load, step_dir))
         if meta.get("ranks") != world or any(k in given for k in config.LAYOUT_FIELDS):
             # a layout saved on another number of ranks cannot apply; layout flags given replace it as a whole
             record = dataclasses.replace(record, **{k: None for k in config.LAYOUT_FIELDS})
         cfg = config.from_values(dataclasses.asdict(record), given)
-        changed = config.changes(record, cfg)
+        changed = config.changes(saved, cfg)   # against the run as saved: its layout too
         if changed:
             say(f"--load {load}: changed from the checkpoint's run: " + "; ".join(
-                f"--{config.flag(k)} {old} -> {new}" for k, old, new in changed))
+                f"--{config.flag(k)} {_shown(k, old)} -> {_shown(k, new)}" for k, old, new in changed))
         later = [d for d in checkpoint.complete_steps(cfg.save) if int(d[5:]) > meta.get("step", 0)] \
             if cfg.save is not None and not inv.eval_only else []
         if later:
@@ -79,6 +79,11 @@ def resolve(inv, given, world, say):
         lineage.append(_real(load))
     start.tokenizer = _tokenizer(cfg, step_dir, given.get("tokenizer"), load)
     return cfg, start
+
+
+def _shown(field, value):
+    """A field's value in the changes line: an unset layout field is the chooser's."""
+    return "chosen" if value is None and field in config.LAYOUT_FIELDS else value
 
 
 def _requeue(inv, given, say):

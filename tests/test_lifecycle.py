@@ -113,8 +113,9 @@ def test_fine_tune_life(source, tmp_path, capfd):
     model, info = transformers.NemotronH_Omni_Reasoning_V3.from_pretrained(out, output_loading_info=True,
                                                                            dtype=torch.float32)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    written = json.loads(open(os.path.join(out, "config.json")).read())["vision_config"]
-    theirs = json.loads(open(os.path.join(hf, "config.json")).read())["vision_config"]
+    written, theirs = (json.loads(open(os.path.join(d, "config.json")).read()) for d in (out, hf))
+    assert written["text_config"]["max_position_embeddings"] == theirs["text_config"]["max_position_embeddings"] != 96
+    written, theirs = written["vision_config"], theirs["vision_config"]
     assert (written["num_cls_tokens"], written["num_registers"]) == (theirs["num_cls_tokens"],
                                                                      theirs["num_registers"]) == (2, 1)
     for name, content in (("processor_config.json", PROCESSOR), ("preprocessor_config.json", IMAGE_PROCESSOR)):

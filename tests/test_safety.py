@@ -299,3 +299,23 @@ def test_a_line_of_another_model_is_refused(run4, tmp_path, capfd):
     assert [h["step"] for h in more[0]] == [5]
     assert f"--save {d} holds step 4 of this run: resuming from it" in capfd.readouterr().out
 
+
+
+def test_the_resume_line_names_what_changed_from_the_run_as_saved(run4, tmp_path):
+    """`changed from the checkpoint's run` compares with the run as saved, its layout too: the same grid flags again
+    list nothing of the layout, though another world size re-plans it; dropping --lm-pp lists that, and only that."""
+    import cli
+    import resume
+    d = copy(run4, tmp_path / "D")
+    record = os.path.join(d, "step_00000004", "config.json")
+    grid = ["--vision-tp", "1", "--vision-dp", "1", "--lm-dp", "1"]
+    saved = json.load(open(record))
+    json.dump(dict(saved, vision_tp=1, vision_dp=1, lm_dp=1, lm_pp=2), open(record, "w"))
+
+    def changes(argv, world):
+        said = []
+        resume.resolve(*cli.parse_args(TINY + ["--load", d] + argv), world, said.append)
+        return [x for x in said if "changed from the checkpoint's run" in x]
+    assert changes(grid + ["--lm-pp", "2", "--steps", "5"], 3) == \
+        [f"--load {d}: changed from the checkpoint's run: --steps 4 -> 5"]
+    assert changes(grid, 2) == [f"--load {d}: changed from the checkpoint's run: --lm-pp 2 -> chosen"]

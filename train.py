@@ -19,7 +19,6 @@ train_step() per step, evaluate() every --eval-every steps, logs.py for what the
 User errors raise SystemExit(message); cli.run prints them as one line.
 """
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -434,6 +433,9 @@ def train(run, stop):
 
 if __name__ == "__main__":
     failsafe.guard_streams()
-    cli.run(main)
-    gc.freeze()   # the interpreter's exit then leaves torch's object graph uncollected: 1-2 s of every process
-    sys.exit(failsafe.exit_status())
+    try:
+        cli.run(main)
+        status = failsafe.exit_status()
+    except SystemExit as e:   # cli.run's ends: a user error (2), a signal before training (128 + it), --help (0)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    cli.end(status)

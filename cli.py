@@ -3,6 +3,7 @@ answers to flags users bring from elsewhere or from earlier versions (ALIASES), 
 before training ends the run with one line from one rank."""
 import argparse
 import difflib
+import math
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import torch
 
 import config
 import data
+import layout
 import failsafe
 import watchdog
 
@@ -47,6 +49,14 @@ def parse_args(argv=None):
     given = config.given(inv)
     for k in given:
         delattr(inv, k)
+    if inv.world_size is not None and not 1 <= inv.world_size <= layout.MAX_WORLD:
+        raise SystemExit(f"--world-size {inv.world_size}: must be 1 to {layout.MAX_WORLD}, the largest world the "
+                         "layout chooser plans")
+    if inv.world_size is not None and not inv.dry_run:
+        raise SystemExit(f"--world-size {inv.world_size} plans a dry run: add --dry-run (a run's world is its "
+                         "launcher's: torchrun --nproc_per_node N)")
+    if not (math.isfinite(inv.gpu_memory) and inv.gpu_memory > 0):
+        raise SystemExit(f"--gpu-memory {inv.gpu_memory}: must be a finite number of GiB > 0")
     return inv, given
 
 

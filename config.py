@@ -358,6 +358,7 @@ RANGES = [
     (("collective_timeout",), 1.0, ">= 1 (seconds)"),
 ]
 POSITIVE = ("lora_alpha", "norm_eps", "init_std", "routed_scaling_factor")   # finite and > 0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # The sizes of one kind of layer (a hybrid_override_pattern character), each >= 1 where the model has such a layer
 # (an HF model without attention may leave the attention sizes at 0): a zero divides by zero, reshapes into nothing
 # or trains a degenerate model
@@ -395,6 +396,8 @@ def check(cfg):
                if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) > 0)]
     errors += [f"--{flag(k)} {getattr(cfg, k)!r}: must be one of {', '.join(map(str, f.metadata['choices']))}"
                for k, f in FIELDS.items() if getattr(cfg, k) not in f.metadata.get("choices", (getattr(cfg, k),))]
+    if cfg.collective_timeout > MAX_TIMEOUT_S:   # torch's own timeouts (watchdog.backstop) overflow far above
+        errors.append(f"--collective-timeout {cfg.collective_timeout}: must be at most {MAX_TIMEOUT_S:g} s (a week)")
     if cfg.clip_grad < 0 or not math.isfinite(cfg.clip_grad):
         errors.append(f"--clip-grad {cfg.clip_grad}: must be >= 0 (0 turns clipping off)")
     if 0 <= cfg.lr < math.inf and 0 <= cfg.min_lr < math.inf and cfg.min_lr > cfg.lr:

@@ -216,3 +216,21 @@ def test_lora_targets_that_cannot_work_are_one_line():
     lora.apply({"language": lm}, cfg)
     assert not any(p.requires_grad for p in lm.parameters())
     assert any(p.requires_grad for m in memory.sizing_model(cfg).values() for p in m.parameters())
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--dry-run", "--world-size", "0"], "--world-size 0: must be 1 to 1024, the largest world the layout chooser plans"),
+    (["--dry-run", "--world-size", "1000003"], "--world-size 1000003: must be 1 to 1024"),
+    (["--world-size", "8"], "--world-size 8 plans a dry run: add --dry-run"),
+    (["--dry-run", "--gpu-memory", "0"], "--gpu-memory 0.0: must be a finite number of GiB > 0"),
+    (["--dry-run", "--gpu-memory", "-5"], "--gpu-memory -5.0: must be a finite number of GiB > 0"),
+    (["--dry-run", "--gpu-memory", "nan"], "--gpu-memory nan: must be a finite number of GiB > 0"),
+    (["--collective-timeout", "1e15"], "--collective-timeout 1000000000000000.0: must be at most 604800 s (a week)"),
+], ids=["world-0", "world-huge", "world-no-dry-run", "memory-0", "memory-negative", "memory-nan", "timeout-huge"])
+def test_the_dry_run_s_flags_and_the_timeout_out_of_range_are_one_line(argv, want):
+    """Planning flags that plan nothing are refused at once (they planned for 1 rank, divided by 0, printed 'fits nan
+    GiB' or searched for minutes); a timeout that overflows torch's own is refused, not a traceback."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny"] + argv)
+    assert one_line(e).startswith(want), one_line(e)

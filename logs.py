@@ -192,7 +192,7 @@ class Log:
 
     def step(self, rec):
         """One step's record (see train.step_record): a console line, a metrics line, the sinks' scalars."""
-        self.last["loss"] = rec["loss"]
+        self.last.update(loss=rec["loss"], step=rec["step"])
         if not self.on:
             return
         na = lambda v, f: "N/A" if v is None else format(v, f)  # noqa: E731
@@ -205,12 +205,29 @@ class Log:
         self._record(rec, step_scalars(rec), rec["step"])
 
     def _record(self, rec, scalars, step):
-        """A record to the metrics file, its scalars ({name: number}) to every sink (neither off the logging rank)."""
+        """A record to the metrics file, its scalars ({name: number}) to every sink (neither off the logging rank). One
+        that fails to take it (a full disk, a lost network) is dropped with a warning: a log never ends a run."""
         if self.metrics:
-            self.metrics.write(json_line(rec))
-            self.metrics.flush()
-        for sink in self.sinks:
-            sink.log(scalars, step)
+            try:
+                self.metrics.write(json_line(rec))
+                self.metrics.flush()
+            except OSError as e:
+                self._drop(f"--metrics-file {self.metrics.name}", e, self.metrics.close)
+                self.metrics = None
+        for sink in list(self.sinks):
+            try:
+                sink.log(scalars, step)
+            except Exception as e:   # whatever the package raises
+                self._drop(f"--{sink.name}", e, sink.close)
+                self.sinks.remove(sink)
+
+    def _drop(self, what, error, close):
+        self.say(f"warning: {what}: cannot write ({' '.join(str(error).split())}); training goes on without it from "
+                 f"step {self.last.get('step', '?')}")
+        try:
+            close()
+        except Exception:   # the same failure again (its buffer): it is dropped either way
+            pass
 
     def eval(self, step, result):
         if not self.on:   # the loss is known on the last pipeline stage only

@@ -164,3 +164,20 @@ def test_missing_tensorboard_from_the_command_line(tmp_path):
             "runpy.run_path('train.py', run_name='__main__')")
     out = sh(sys.executable, "-c", hide, *TINY, "--tensorboard", str(tmp_path / "tb"))
     assert (out.returncode, out.stderr) == (2, f"error: {MISSING['tensorboard']}\n")
+
+
+def test_a_log_that_cannot_be_written_is_a_warning_never_the_end_of_a_run(tmp_path, capfd, monkeypatch):
+    """A metrics file on a full disk (/dev/full) and a W&B run that fails mid-run are dropped, each with one warning,
+    and the run trains and saves every step (they had ended it with an OSError traceback, two steps unsaved)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    stub = WandbStub()
+    stub.log = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("the network is gone"))
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    save = str(tmp_path / "run")
+    run_distributed(_train, 1, TINY + ["--steps", "3", "--metrics-file", "/dev/full", "--wandb", "p", "--save", save])
+    out = capfd.readouterr().out
+    assert out.count("warning: --metrics-file /dev/full: cannot write ([Errno 28] No space left on device); training "
+                     "goes on without it from step 1") == 1, out
+    assert out.count("warning: --wandb: cannot write (the network is gone)") == 1, out
+    assert "done: 3 steps" in out and sorted(os.listdir(save))[-1] == "step_00000003"

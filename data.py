@@ -29,6 +29,7 @@ import formats
 import parallel
 import radio
 import video
+import watchdog
 from formats import Bad, BadSample, Overlong
 
 # Special tokens of the chat template (ChatML as in Nemotron Nano v2 / Nano-VL): <|im_start|>role\n...<|im_end|>\n;
@@ -588,7 +589,11 @@ class _Microbatches(torch.utils.data.Dataset):
         self.ds, self.offsets, self.pixels = ds, offsets, pixels
 
     def __getitem__(self, first):
-        return {first + o: self.ds.sample(first + o, self.pixels) for o in self.offsets}
+        out = {}
+        for o in self.offsets:   # in the rank's own process without workers: the watchdog sees each sample come
+            out[first + o] = self.ds.sample(first + o, self.pixels)
+            watchdog.progress()
+        return out
 
 
 def _identity(x):
@@ -621,8 +626,9 @@ class Loader:
                 worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None,
                 pin_memory=self.pin))
         out = {}
-        for _ in range(n_micro):
+        for _ in range(n_micro):   # large images take long: each micro-batch that arrives is progress (watchdog)
             out.update(next(self.it))
+            watchdog.progress()
         self.next = base + n_micro * self.spm
         return out
 

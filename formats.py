@@ -28,6 +28,8 @@ import numpy as np
 import torch.distributed as dist
 from tqdm import tqdm
 
+import watchdog
+
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 COLUMNS = {"messages": ("messages", "conversations", "text"), "images": ("images", "image")}
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -450,6 +452,7 @@ def _index(path, encoder, columns, skip_bad, progress):
     rows, bad, overlong, truncated = array.array("q"), [], [], encoder.n_truncated
     too_long = []                                    # (tokens, line) of each over-long document under --overlong error
     for key, line, record in tqdm(scan(path, kind, cols), f"indexing {path}", unit=" records", disable=not progress):
+        watchdog.progress()   # a large file takes long, record by record: the watchdog sees it move (set-up)
         try:
             ids, _, _ = encoder.encode(record(), base, pixels=False, verify=True)
             image = np.asarray(ids) == encoder.cfg.image_token_id   # an image's placeholders are one run

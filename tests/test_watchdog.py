@@ -8,6 +8,7 @@ hetero, colocated and pipeline runs, under torchrun and without it (rank 0 hosti
 that waits on one that stopped beating; a rank whose store's host died ends once overdue; rank 0 ending first in a
 run without torchrun leaves the others at 0, and a SIGTERM there still saves (negative controls). The wrapper and
 helpers serve tests/test_gpu_failures.py too."""
+import json
 import multiprocessing
 import os
 import re
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -410,3 +412,23 @@ def test_a_rank_whose_store_host_died_ends_once_overdue(tmp_path, capfd):
         r"error: the wait at test_watchdog\.py:\d+ _store_host_dies_main did not complete in 1 s on rank 1 \(step 2, "
         r"micro-batch 1/4\), and the run's store stopped answering: the launcher or rank 0 ended\. See their output",
         errors[0]), errors
+
+
+@pytest.mark.slow
+def test_a_rank_slow_to_load_its_images_is_not_a_deadlock(tmp_path):
+    """The vision rank decodes a 4000 x 4000 PNG for every sample (0.8 s each here: 3.3 s a step's four) while the
+    language rank waits in a collective for it, at --collective-timeout 2: loading is progress (each sample, each
+    micro-batch, each record indexed), so the run ends well. Before, a step's loading was one mark: `a deadlock`."""
+    from PIL import Image
+    cells = np.random.default_rng(0).integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    Image.fromarray(cells).resize((4000, 4000), Image.BILINEAR).save(tmp_path / "big.png")
+    chat = [{"messages": [{"role": "user", "content": [{"type": "image", "image": "big.png"},
+                                                       {"type": "text", "text": f"what is {i}?"}]},
+                          {"role": "assistant", "content": f"number {i}"}]} for i in range(8)]
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chat))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "train.py", "--preset", "tiny", "--steps", "3", "--global-batch", "4", "--data",
+                          str(tmp_path / "big.jsonl"), "--vision-dp", "1", "--lm-dp", "1", "--collective-timeout", "2"],
+                         cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "done: 3 steps" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -469,8 +469,9 @@ def saved_config(path, overrides=None):
     of an earlier version as config.upgrade_record reads it."""
     step_dir = resolve(path)
     path = os.path.join(step_dir, CONFIG_NAME)
-    values = config.upgrade_record(read_json(path, f"restore it, or --load an earlier step of "
-                                               f"{os.path.dirname(step_dir)}"), path)
+    values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
+    config.record_types(values, path)
+    values = config.upgrade_record(values, path)
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
     if unknown:
         raise ValueError(f"{path}: unknown config fields {sorted(unknown)}")

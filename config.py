@@ -264,6 +264,29 @@ def from_values(values, overrides=None):
 SAMPLE_FIELDS = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 
 
+def record_types(values, where):
+    """A run record's {field: value} (a checkpoint's config.json, `where`) whose values are not of their field's type
+    (a hand edit: "steps": "ten", "lr": null) -> ValueError naming each, else nothing."""
+    kinds = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+    wrong = []
+    for k, v in values.items():
+        if k in SAMPLE_FIELDS:
+            allowed, none = (int,), True
+        elif k in FIELDS:
+            allowed, none = kinds[base_type(k)], isinstance(FIELDS[k].type, types.UnionType)
+        else:
+            continue
+        if not (v is None and none or isinstance(v, allowed) and (bool in allowed or not isinstance(v, bool))):
+            wrong.append(f'"{k}": {json_value(v)} (expected {base_type(k).__name__ if k in FIELDS else "int"}'
+                         f'{" or null" if none else ""})')
+    if wrong:
+        raise ValueError(f"{where}: " + ", ".join(wrong) + "; correct the file (it is the run's record)")
+
+
+def json_value(v):
+    return "null" if v is None else f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v
+
+
 def upgrade_record(values, where):
     """A run record written by an earlier version (the {field: value} of `where`, a checkpoint's config.json) -> its
     values for this one, by docs/checkpoints.md §1's rule: SAMPLE_FIELDS go, dropped when unused, else as the same

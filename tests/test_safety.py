@@ -319,3 +319,16 @@ def test_the_resume_line_names_what_changed_from_the_run_as_saved(run4, tmp_path
     assert changes(grid + ["--lm-pp", "2", "--steps", "5"], 3) == \
         [f"--load {d}: changed from the checkpoint's run: --steps 4 -> 5"]
     assert changes(grid, 2) == [f"--load {d}: changed from the checkpoint's run: --lm-pp 2 -> chosen"]
+
+
+@pytest.mark.parametrize("edit, said", [({"steps": "ten"}, '"steps": "ten" (expected int)'),
+                                        ({"lr": None}, '"lr": null (expected float)'),
+                                        ({"train_samples": "64"}, '"train_samples": "64" (expected int or null)')])
+def test_a_hand_edited_run_record_of_the_wrong_types_is_one_line(run4, tmp_path, edit, said):
+    """A config.json edited by hand to values of the wrong type: one line naming each field (it was a TypeError
+    traceback from the schedule or the record's upgrade)."""
+    d = copy(run4, tmp_path / "D")
+    record = os.path.join(d, "step_00000004", "config.json")
+    json.dump(dict(json.load(open(record)), **edit), open(record, "w"))
+    (msg,) = run_distributed(_train, 1, ["--load", d, "--steps", "5"])
+    assert msg.startswith(f"{record}: {said}; correct the file (it is the run's record)"), msg

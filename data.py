@@ -80,7 +80,7 @@ class HFTokenizer:
         try:
             import transformers
         except ImportError:
-            raise SystemExit("--tokenizer needs transformers: pip install -e '.[hf]'") from None
+            raise SystemExit(f"{path} is an HF tokenizer, which needs transformers: pip install -e '.[hf]'") from None
         if not os.path.exists(path):
             raise SystemExit(f"--tokenizer {path}: no such file or directory")
         try:

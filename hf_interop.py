@@ -596,7 +596,7 @@ def cli(argv=None):
     except SystemExit as e:
         if not isinstance(e.code, str):   # --help, argparse's usage errors (status 2)
             raise
-        print(e.code, file=sys.stderr, flush=True)
+        print(f"error: {e.code.removeprefix('error: ')}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -162,7 +162,7 @@ class Log:
         wanted = [sink for sink in (TensorBoard, WandB) if getattr(cfg, sink.name)]
         self.sinks, self.metrics = comm.on_every_rank(_open_outputs, wanted, cfg, on) \
             if wanted or cfg.metrics_file else ([], None)
-        self.on, self.t0, self.first = on, time.perf_counter(), first_step
+        self.on, self.t0, self.first, self.steps = on, time.perf_counter(), first_step, cfg.steps
         self.bar = tqdm(total=cfg.steps, initial=first_step, unit="step",
                         disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
         self.last = {}
@@ -255,7 +255,8 @@ class Log:
             launcher = "python" if nproc == 1 and nodes == 1 else \
                 f"torchrun{f' --nnodes {nodes} ...' if nodes > 1 else ''} --nproc_per_node={nproc}"
             load = shlex.quote(save_dir)
-            self.say(f"checkpoint: {save_dir}\nresume (add --steps N to train on): {launcher} train.py --load {load}\n"
+            more = " (add --steps N to train on)" if step >= self.steps else ""   # unfinished: the line goes on
+            self.say(f"checkpoint: {save_dir}\nresume{more}: {launcher} train.py --load {load}\n"
                      f"export: python hf_interop.py export-hf --load {load} --out HF_DIR")
 
 

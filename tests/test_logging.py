@@ -181,3 +181,14 @@ def test_a_log_that_cannot_be_written_is_a_warning_never_the_end_of_a_run(tmp_pa
                      "goes on without it from step 1") == 1, out
     assert out.count("warning: --wandb: cannot write (the network is gone)") == 1, out
     assert "done: 3 steps" in out and sorted(os.listdir(save))[-1] == "step_00000003"
+
+
+def test_the_closing_lines_say_how_to_go_on(capsys):
+    """A finished run's resume line needs more --steps; an unfinished one (a signal, a failure) goes on as printed."""
+    import config
+    import logs
+    for step, want in ((5, "resume (add --steps N to train on): python train.py --load /r"),
+                       (3, "resume: python train.py --load /r")):
+        log = logs.Log(config.resolve("tiny", {"steps": "5"}), True, 0)
+        log.close(step, "/r")
+        assert want in capsys.readouterr().out.splitlines()

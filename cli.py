@@ -15,7 +15,6 @@ import torch
 
 import config
 import data
-import layout
 import failsafe
 import watchdog
 
@@ -49,9 +48,6 @@ def parse_args(argv=None):
     given = config.given(inv)
     for k in given:
         delattr(inv, k)
-    if inv.world_size is not None and not 1 <= inv.world_size <= layout.MAX_WORLD:
-        raise SystemExit(f"--world-size {inv.world_size}: must be 1 to {layout.MAX_WORLD}, the largest world the "
-                         "layout chooser plans")
     if inv.world_size is not None and not inv.dry_run:
         raise SystemExit(f"--world-size {inv.world_size} plans a dry run: add --dry-run (a run's world is its "
                          "launcher's: torchrun --nproc_per_node N)")

@@ -90,7 +90,10 @@ def main(argv=None):
     inv, given = cli.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     say = print if rank == 0 else lambda msg: None
-    world = inv.world_size if inv.dry_run and inv.world_size else int(os.environ.get("WORLD_SIZE", 1))
+    world = inv.world_size if inv.dry_run and inv.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    if inv.world_size is not None and not 1 <= world <= layout.MAX_WORLD:   # a launcher's world is what it is
+        raise SystemExit(f"--world-size {world}: must be 1 to {layout.MAX_WORLD}, the largest world the layout "
+                         "chooser plans")
     # one run at a time saves into a directory: rank 0 holds it from before the requeue reads it to the run's end
     holds, line = rank == 0 and not (inv.dry_run or inv.eval_only), shlex.join(
         ["train.py", *(sys.argv[1:] if argv is None else argv)])

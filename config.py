@@ -277,13 +277,13 @@ def record_types(values, where):
         else:
             continue
         if not (v is None and none or isinstance(v, allowed) and (bool in allowed or not isinstance(v, bool))):
-            wrong.append(f'"{k}": {json_value(v)} (expected {base_type(k).__name__ if k in FIELDS else "int"}'
+            wrong.append(f'"{k}": {_json_value(v)} (expected {base_type(k).__name__ if k in FIELDS else "int"}'
                          f'{" or null" if none else ""})')
     if wrong:
         raise ValueError(f"{where}: " + ", ".join(wrong) + "; correct the file (it is the run's record)")
 
 
-def json_value(v):
+def _json_value(v):
     return "null" if v is None else f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v
 
 

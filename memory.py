@@ -187,23 +187,25 @@ def vision_items(cfg):
     return items
 
 
+def mock_load(cfg):
+    """The mock sample's tower load (vision_items) in data.tower_load's form: (tower tokens, projector rows, what)."""
+    items = vision_items(cfg)
+    what = f"{len(items)} video tubelets" if items[0][2] > 1 else f"{cfg.mock_image_size} px square image"
+    return (sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items),
+            f"the mock's {what}")
+
+
 def vision_tokens(cfg, lay, load=None):
-    """(tower tokens, projector tokens) of one micro-batch of one vision rank: per sample, `load`'s (tower tokens,
-    projector rows, ...) when given (data.tower_load: the largest sample the data can produce), else the mock
-    sample's (vision_items)."""
-    if load is None:
-        items = vision_items(cfg)
-        load = sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items)
-    return lay.vision_micro_batch * load[0], lay.vision_micro_batch * load[1]
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank: per sample, `load`'s (data.tower_load:
+    the largest sample the data can produce; None: the mock's)."""
+    tower, rows, _ = load or mock_load(cfg)
+    return lay.vision_micro_batch * tower, lay.vision_micro_batch * rows
 
 
 def load_source(cfg, load=None):
     """What the plan's tower load is, in words (the dry run's line)."""
-    if load is not None:
-        return f"{load[0]} tower tokens and {load[1]} image rows a sample at most ({load[2]})"
-    items = vision_items(cfg)
-    return (f"{sum(h * w + cfg.class_token_len for h, w, _ in items)} tower tokens a sample (the mock's "
-            + (f"{len(items)} video tubelets)" if items[0][2] > 1 else f"{cfg.mock_image_size} px square image)"))
+    tower, rows, what = load or mock_load(cfg)
+    return f"{tower} tower tokens and {rows} image rows a sample at most ({what})"
 
 
 def tower_trains(cfg):

@@ -17,7 +17,7 @@ only each layer's input plus one layer's worth during its recompute. MoE assumes
 a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
 Pipeline stages (model.stage_layers): a stage holds its layers' parameters (the first the embedding, the last
 norm_f, lm_head and MTP), its dp and edp domains are its own, and 1F1B keeps several micro-batches' activations
-(plan()). Peak = weights + gradients + optimizer + activations (the distributed optimizer's fp32 gradient buffers
+(plan()). Peak = weights + gradients + optimizer + activations + cuBLAS' workspaces (the distributed optimizer's fp32 gradient buffers
 are persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
 Set-up, apart (docs/memory.md §5): the weights plus one full-size fp32 draw of the largest language parameter (the
 tower and the adapters are drawn on the CPU); optim.build's buffers and main weights come after the draw is freed,
@@ -38,6 +38,8 @@ from radio import VisionModel
 
 GIB = 2 ** 30
 TRAIN_SHARE, SETUP_SHARE = 0.92, 0.95   # of a rank's memory the training and the set-up peak may use (required())
+# cuBLAS and cuBLASLt each hold a 32 MiB workspace (Hopper's size) from the caching allocator, per stream they run on
+BLAS_WORKSPACES = 2 * 32 * 2 ** 20
 LIMITS = (("peak", TRAIN_SHARE, "training peak (weights, gradients, optimizer state, activations)"),
           ("setup", SETUP_SHARE, "set-up peak (the weights and one full-size fp32 draw)"))
 
@@ -226,7 +228,7 @@ def vision_activation_bytes(cfg, lay, load=None):
 
 
 def plan(cfg, lay, cuda=True, load=None):
-    """{row: {weights, gradients, optimizer, activations, setup, peak}} bytes per rank kind: "vision" and
+    """{row: {weights, gradients, optimizer, activations, setup, workspace, peak}} bytes per rank kind: "vision" and
     "language", or with pipeline stages "language pp0", "language pp1", ... (colocated: both modules on every rank,
     each row both; at pp 1 the two rows the same, beyond it one a stage). 1F1B (schedule.py): stage s of p keeps
     the activations of min(p - s, n) of the n micro-batches, the encoder min(p + 1, n) (it runs p forwards ahead);
@@ -235,9 +237,13 @@ def plan(cfg, lay, cuda=True, load=None):
     (vision_tokens; None: the mock's)."""
     p, n = lay.lm_pp, lay.num_microbatches
     vision, out = vision_activation_bytes(cfg, lay, load), {}
+    # off the encoder's ranks, the first stage keeps the image rows the bridge hands it until their gradient returns
+    received = 0 if lay.in_place else 2 * lay.micro_batch * (load or mock_load(cfg))[1] * cfg.hidden_size
     for s in range(p):
         rows = parameter_bytes(cfg, lay, cuda, s)   # setup: apart from the training peak
         kept, passing = language_activation_bytes(cfg, lay, s)
+        if s == 0:
+            kept, passing = kept + received, passing + received   # the rows and, at backward, their gradient
         language = min(p - s, n) * kept + passing
         if lay.colocated:
             row = {key: rows["vision"][key] + rows["language"][key] for key in rows["vision"]}
@@ -253,7 +259,8 @@ def plan(cfg, lay, cuda=True, load=None):
                 out["vision"] = rows["vision"]
         out["language" if p == 1 else f"language pp{s}"] = row
     for r in out.values():
-        r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"]
+        r["workspace"] = BLAS_WORKSPACES if cuda else 0
+        r["peak"] = r["weights"] + r["gradients"] + r["optimizer"] + r["activations"] + r["workspace"]
     return out
 
 

@@ -204,8 +204,15 @@ def test_eval_only_load_hf_omni_equals_transformers_loss(omni, tmp_path):
     assert lm_only["max_position_embeddings"] == json.loads((d / "config.json").read_text())["text_config"][
         "max_position_embeddings"] != 96
     assert not (tmp_path / "lm" / "processor_config.json").exists()
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm", output_loading_info=True)
+    lm, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # the classes docs/checkpoints.md §5 names: both generate, the same greedy text from the same language model
+    vlm_model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    said = [m.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False) for m in (vlm_model, lm)]
+    assert type(vlm_model).__name__ == "NemotronH_Omni_Reasoning_V3" and type(lm).__name__ == "NemotronHForCausalLM"
+    assert said[0].shape[1] == prompt["input_ids"].shape[1] + 6 and torch.equal(said[0], said[1])
 
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))

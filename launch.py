@@ -42,6 +42,7 @@ class Signalled(logging.Filter):
 def main(argv):
     args = run.parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+    os.makedirs(args.log_dir, exist_ok=True)   # torchrun logs before it makes it (OMP_NUM_THREADS unset)
     report = os.path.join(args.log_dir, REPORT)
     torch_log = logging.getLogger("torch.distributed")   # torchrun's loggers write through this one's handler
     to_file, signalled = logging.FileHandler(report, delay=True), Signalled()
@@ -55,7 +56,7 @@ def main(argv):
     except ChildFailedError as e:
         with open(report, "a") as f:
             f.write(e.format_msg() + "\n")
-        killed = {r: f for r, f in e.failures.items() if f.exitcode < 0 and f.pid not in signalled.pids}
+        killed = {r: x for r, x in e.failures.items() if x.exitcode < 0 and x.pid not in signalled.pids}
         for rank, failure in killed.items():
             print(f"error: rank {rank} (pid {failure.pid}) was ended by {failure.signal_name()} without a word. "
                   f"See the kernel's log (dmesg: an out-of-memory kill, a segfault) and torchrun's report, {report}",

@@ -368,21 +368,22 @@ runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
 """
 
 
-def _launch(tmp_path, *argv):
+def _launch(tmp_path, *argv, env=None):
     return sh(sys.executable, "launch.py", "--standalone", "--nproc_per_node=2", "--log-dir", str(tmp_path / "logs"),
-              "--shutdown-timeout", "2", *argv, env={**ENV, "OMP_NUM_THREADS": "1"})
+              "--shutdown-timeout", "2", *argv, env=env or {**ENV, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
 def test_launch_ends_with_the_ranks_line_and_status(tmp_path):
     """A user error: the rank's line is the last on stderr and its status (2) the launcher's, where torchrun's
     ChildFailedError traceback and failure table follow it and torchrun exits 1; they are in --log-dir's
-    torchrun.log."""
-    out = _launch(tmp_path, "train.py", "--preset", "tiny", "--steps", "3", "--lr", "-1")
+    torchrun.log, with torchrun's warning of a missing OMP_NUM_THREADS (logged before torchrun makes the directory)."""
+    out = _launch(tmp_path, "train.py", "--preset", "tiny", "--steps", "3", "--lr", "-1",
+                  env={k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"})
     assert out.returncode == 2 and out.stderr.splitlines() == ["error: --lr -1.0: must be a finite number >= 0"], \
         out.stderr
     report = (tmp_path / "logs" / "torchrun.log").read_text()
-    assert "train.py FAILED" in report and "exitcode  : 2" in report
+    assert "train.py FAILED" in report and "exitcode  : 2" in report and "OMP_NUM_THREADS" in report
 
 
 @pytest.mark.slow

@@ -214,7 +214,8 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
     """Write an HF directory, nemotron_h_omni when `state_dict` (full names) holds the vision tower, else nemotron_h:
     config.json, safetensors (sharded above max_shard_bytes), an HF `tokenizer`'s files (bos/eos/pad: its ids).
     dtype casts the floating tensors but the expert bias (fp32 in HF: _keep_in_fp32_modules_strict). `source`
-    (copy_source's): its files and carried tensors come along, its config.json's fields where ours say nothing."""
+    (copy_source's): its files and carried tensors come along, its config.json's fields where ours say nothing (a
+    language-only export of an Omni: its text_config's fields, none of its files)."""
     lm_sd = checkpoint.language_state_dict(state_dict)
     checkpoint.check_tensors(lm_sd, meta_shapes(model.LanguageModel, cfg), "export_hf(state_dict)")
     cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
@@ -251,7 +252,12 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
             with safe_open(os.path.join(source, CARRIED_NAME), framework="pt") as f:
                 # a checkpoint written before the video embedder trained carries it too: ours wins
                 tensors.update({k: cast(f.get_tensor(k)) for k in f.keys() if k not in tensors})
-        for name in os.listdir(source):   # processor configs, chat template, remote code, generation config
+        else:   # a language-only export of an Omni, or a tower added to a nemotron_h: their language models merge
+            lm = _merge_config(_language_config(theirs), _language_config(hf))
+            hf = {**hf, "text_config": lm} if "text_config" in hf else {**hf, **lm}
+        # an Omni's processor configs and remote code do not describe its language model alone
+        files = [] if theirs.get("model_type") == "nemotron_h_omni" != hf["model_type"] else os.listdir(source)
+        for name in files:   # processor configs, chat template, remote code, generation config
             if name not in (checkpoint.CONFIG_NAME, CARRIED_NAME):
                 shutil.copy2(os.path.join(source, name), os.path.join(out_dir, name))
     checkpoint.write_atomic(os.path.join(out_dir, checkpoint.CONFIG_NAME), hf)
@@ -266,6 +272,14 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
 # read it as the context length; the decoder has no position embeddings), where a run's seq_len is only what it
 # trained on
 SOURCE_WINS = ("max_position_embeddings",)
+
+
+def _language_config(hf):
+    """An HF config's language model: an Omni's text_config, or a nemotron_h config but the fields that name its
+    model class (an Omni's text_config has none)."""
+    if hf.get("model_type") == "nemotron_h_omni":
+        return hf.get("text_config", hf.get("llm_config")) or {}
+    return {k: v for k, v in hf.items() if k not in ("architectures", "auto_map")}
 
 
 def _merge_config(theirs, ours):
@@ -493,7 +507,7 @@ def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, langu
     tokenizer = tokenizer or (copy if os.path.isdir(copy) else cfg.tokenizer)
     source = os.path.join(r.dir, checkpoint.SOURCE_DIR)
     export_hf(cfg, sd, out_dir, max_shard_bytes, dtype, data.load_tokenizer(tokenizer, cfg),
-              source if os.path.isdir(source) and not language_only else None)
+              source if os.path.isdir(source) else None)
     return r.meta["step"]
 
 

@@ -196,6 +196,24 @@ def test_eval_only_load_hf_omni_equals_transformers_loss(omni, tmp_path):
     assert written["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
     assert written["pad_token_id"] == tok.pad_token_id and written["bos_token_id"] is None
 
+    # language-only: its config is the full export's text_config (the source's max_position_embeddings, not the
+    # run's seq_len), without the Omni's processor files; transformers loads it whole
+    hf_interop.main(["export-hf", "--load", save, "--out", str(tmp_path / "lm"), "--language-only"])
+    lm_only = json.loads((tmp_path / "lm" / "config.json").read_text())
+    assert lm_only == {**written, "architectures": ["NemotronHForCausalLM"]}
+    assert lm_only["max_position_embeddings"] == json.loads((d / "config.json").read_text())["text_config"][
+        "max_position_embeddings"] != 96
+    assert not (tmp_path / "lm" / "processor_config.json").exists()
+    lm, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lm", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # the classes docs/checkpoints.md §5 names: both generate, the same greedy text from the same language model
+    vlm_model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    said = [m.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False) for m in (vlm_model, lm)]
+    assert type(vlm_model).__name__ == "NemotronH_Omni_Reasoning_V3" and type(lm).__name__ == "NemotronHForCausalLM"
+    assert said[0].shape[1] == prompt["input_ids"].shape[1] + 6 and torch.equal(said[0], said[1])
+
 
 @pytest.mark.parametrize("template", sorted(TEMPLATES))
 def test_chat_template_tokens_and_masks(tmp_path, template):
@@ -288,6 +306,8 @@ def test_vision_hf_adds_a_radio_tower(tmp_path):
     tower.save_pretrained(tmp_path / "radio")
     cfg, lm = build_lm()
     hf_interop.export_hf(cfg, full(lm.state_dict()), tmp_path / "lm")
+    released = {**json.loads((tmp_path / "lm" / "config.json").read_text()), "max_position_embeddings": 4096}
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(released))
     cfg2, sd = hf_interop.import_hf(tmp_path / "lm", preset="tiny", vision_hf=tmp_path / "radio")
     assert cfg2.projector_hidden == 16 * 32 and sd["vision.mlp1.1.weight"].std() > 0
     vision = radio.VisionModel(cfg2).eval()
@@ -299,6 +319,11 @@ def test_vision_hf_adds_a_radio_tower(tmp_path):
         ours = vision.features(patches, grids)
         theirs = tower(torch.cat(patches), image_grid_hw=torch.tensor(grids)).features
     assert ours.std() > 0.1 and (ours - theirs.reshape(ours.shape)).abs().max() < 1e-4
+    # exported, the nemotron_h source's config is the Omni's text_config (its context, not the run's seq_len)
+    hf_interop.copy_source(tmp_path / "lm", tmp_path / "source")
+    hf_interop.export_hf(cfg2, sd, tmp_path / "omni", source=tmp_path / "source")
+    text = json.loads((tmp_path / "omni" / "config.json").read_text())["text_config"]
+    assert text["max_position_embeddings"] == 4096 != cfg2.seq_len and "architectures" not in text
 
 
 def test_bad_directories_are_named(omni, tmp_path):

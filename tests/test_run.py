@@ -350,3 +350,66 @@ def test_every_run_ends_with_status_0_after_done(world, flags):
     finally:
         hog.kill()
         hog.wait()
+
+
+# ---------------------------------------------------------------- 7. launch.py: the run's own last word last
+
+AT_STEP_3 = """import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+import watchdog
+real = watchdog.mark
+def mark(where, first=False):   # rank {rank} sends {sig} to {whom} as it starts step 3
+    if os.environ["RANK"] == "{rank}" and where == "step 3":
+        os.kill({whom}(), signal.{sig})
+    real(where, first)
+watchdog.mark = mark
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path(os.path.join({root!r}, "train.py"), run_name="__main__")
+"""
+
+
+def _launch(tmp_path, *argv, env=None):
+    return sh(sys.executable, "launch.py", "--standalone", "--nproc_per_node=2", "--log-dir", str(tmp_path / "logs"),
+              "--shutdown-timeout", "2", *argv, env=env or {**ENV, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_launch_ends_with_the_ranks_line_and_status(tmp_path):
+    """A user error: the rank's line is the last on stderr and its status (2) the launcher's, where torchrun's
+    ChildFailedError traceback and failure table follow it and torchrun exits 1; they are in --log-dir's
+    torchrun.log, with torchrun's warning of a missing OMP_NUM_THREADS (logged before torchrun makes the directory)."""
+    out = _launch(tmp_path, "train.py", "--preset", "tiny", "--steps", "3", "--lr", "-1",
+                  env={k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"})
+    assert out.returncode == 2 and out.stderr.splitlines() == ["error: --lr -1.0: must be a finite number >= 0"], \
+        out.stderr
+    report = (tmp_path / "logs" / "torchrun.log").read_text()
+    assert "train.py FAILED" in report and "exitcode  : 2" in report and "OMP_NUM_THREADS" in report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, sig, whom, status", [("0", "SIGTERM", "os.getppid", 143),
+                                                     ("1", "SIGSTOP", "os.getpid", 3),
+                                                     ("1", "SIGKILL", "os.getpid", 137)],
+                         ids=["launcher-sigterm", "rank-stopped", "rank-killed"])
+def test_launch_signals(tmp_path, rank, sig, whom, status):
+    """SIGTERM to the launcher: forwarded, the step saved, 128 + 15 (torchrun: its SignalException and 1). A
+    stopped rank: the watchdog's line and 3, although torchrun SIGKILLs that rank --shutdown-timeout after its
+    SIGTERM. A rank killed from outside (the out-of-memory killer) says nothing: the launcher names it, 128 + 9."""
+    script = tmp_path / "at_step_3.py"
+    script.write_text(AT_STEP_3.format(root=ROOT, rank=rank, sig=sig, whom=whom))
+    save = str(tmp_path / "run")
+    out = _launch(tmp_path, str(script), "--preset", "tiny", "--steps", "20", "--save", save,
+                  "--collective-timeout", "2")
+    lines = out.stderr.splitlines()
+    assert out.returncode == status and "Traceback" not in out.stderr, out.stderr
+    report = (tmp_path / "logs" / "torchrun.log").read_text()
+    if sig == "SIGTERM":
+        assert re.search(rf"interrupted by SIGTERM: saved step [23] to {re.escape(save)}\n", out.stdout), out.stdout
+        assert lines == [] and "Received 15 death signal" in report
+    elif sig == "SIGSTOP":
+        assert lines[-1].startswith("error: ") and "(rank 1 is not answering?)" in lines[-1], lines
+        assert "forcefully exiting via 9" in report
+    else:
+        assert re.fullmatch(r"error: rank 1 \(pid \d+\) was ended by SIGKILL without a word\. See the kernel's log "
+                            r"\(dmesg: an out-of-memory kill, a segfault\) and torchrun's report, "
+                            + re.escape(str(tmp_path / "logs" / "torchrun.log")), lines[-1]), lines

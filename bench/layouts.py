@@ -58,7 +58,8 @@ CONFIGS.update({f"20l16e-real-{name}": (2, E16 + flags)
                     "hetero-v1-l1": ["--vision-tp", "1", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "1"],
                     "own-vdp2-ltp2ep2": ["--colocated", "--vision-tp", "1", "--vision-dp", "2", "--lm-tp", "2",
                                          "--lm-ep", "2", "--micro-batch", "2"],
-                    "shared-vdp2-pp2": ["--colocated", "--vision-tp", "1", "--lm-pp", "2", "--micro-batch", "2"],
+                    # the tower at tp2: at dp2 it keeps 3 micro-batches of the data's largest sample, over 139 GiB
+                    "shared-vtp2-pp2": ["--colocated", "--vision-tp", "2", "--lm-pp", "2", "--micro-batch", "1"],
                 }.items()})
 
 

@@ -360,6 +360,12 @@ def given(namespace):
     return {k: v for k, v in vars(namespace).items() if k in FIELDS}
 
 
+def summary(cfg):
+    """A run's config in a line: its preset and each field that differs from it (the whole: run_config.json)."""
+    diff = changes(resolve(cfg.preset), cfg) if cfg.preset in PRESETS else []
+    return f"preset {cfg.preset}" + "".join(f", {k} {v}" for k, _, v in diff)
+
+
 def changes(old, new, names=None):
     """[(field, old value, new value)] where two Configs differ, over `names` (default: every field)."""
     return [(k, getattr(old, k), getattr(new, k)) for k in names or FIELDS if getattr(old, k) != getattr(new, k)]

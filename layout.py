@@ -154,7 +154,8 @@ def check_layout(lay, cfg):
         bad = [name for name in split if getattr(cfg, name) % tp]
         for name in bad:
             errors.append(f"{kind} {tp} does not divide {name} {getattr(cfg, name)}" + (
-                f" (--vocab-size {-(-cfg.vocab_size // tp) * tp} would pad it)" if name == "vocab_size" else ""))
+                f" (--vocab-size {-(-cfg.vocab_size // tp) * tp} would pad a new model's; a loaded model keeps its "
+                "own)" if name == "vocab_size" else ""))
         if bad:
             fits = config.nearest_divisors(tuple(getattr(cfg, name) for name in split), tp, lay.world)
             errors.append(f"--{config.flag(kind)} {fits} would divide every size it splits")
@@ -330,15 +331,15 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None):
     if fitting:
         ranked = rank(cfg, fitting, cuda)
         (lay, seconds), runner_up = ranked[0], ranked[1:2]
-        why = (f"the fastest predicted of the {len(fitting)} layouts that fit ({seconds['step']:.2f} s a step"
-               + "".join(f"; the next, {c.brief()}: {s['step']:.2f} s" for c, s in runner_up) + ")")
+        why = (f"the fastest predicted of the {len(fitting)} layouts that fit ({memory.figure(seconds['step'])} s a "
+               "step" + "".join(f"; the next, {c.brief()}: {memory.figure(s['step'])} s" for c, s in runner_up) + ")")
         if not strict:
             for line in table(ranked, plans):
                 say(line)
     else:
         lay = min(plans, key=lambda c: memory.required(plans[c]))
-        why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits {capacity / memory.GIB:.1f} "
-               f"GiB per rank (the closest: {lay.describe()} needs {memory.fits(plans[lay], capacity)}). "
+        why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits "
+               f"{memory.figure(capacity / memory.GIB, 1)} GiB per rank (the closest: {lay.describe()} needs {memory.fits(plans[lay], capacity)}). "
                f"{remedy(cfg, world, capacity, cuda, load)}; `--dry-run --world-size N` shows the plan")
         if strict:
             raise SystemExit(why)
@@ -347,8 +348,8 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None):
     peak = max(r["peak"] for r in plans[lay].values())
     raised = (f"; micro-batch {lay.micro_batch}, not {cfg.micro_batch}, so that a micro-batch's samples split over "
               f"the {lay.vision_dp} vision lanes" if lay.micro_batch != cfg.micro_batch else "")
-    say(f"layout: {lay.describe()}; planned peak {peak / memory.GIB:.1f} GiB per rank of {capacity / memory.GIB:.1f} "
-        f"GiB, the tower at {memory.load_source(cfg, load)}; {why}{raised}")
+    say(f"layout: {lay.describe()}; planned peak {memory.figure(peak / memory.GIB, 1)} GiB per rank of "
+        f"{memory.figure(capacity / memory.GIB, 1)} GiB, the tower at {memory.load_source(cfg, load)}; {why}{raised}")
     return lay
 
 
@@ -374,8 +375,9 @@ def table(ranked, plans, rows=8):
            "   step  vision  language  tail  bubble  peak GiB  layout"]
     for lay, s in shown:
         peak = max(r["peak"] for r in plans[lay].values()) / memory.GIB
-        out.append(f"  {s['step']:5.2f}  {s['vision']:6.3f}  {s['language']:8.3f}  {s['tail']:4.2f}  "
-                   f"{100 * s['bubble']:5.0f}%  {peak:8.1f}  {lay.brief()}")
+        f = memory.figure
+        out.append(f"  {f(s['step']):>5s}  {f(s['vision'], 3):>6s}  {f(s['language'], 3):>8s}  {f(s['tail']):>4s}  "
+                   f"{100 * s['bubble']:5.0f}%  {f(peak, 1):>8s}  {lay.brief()}")
     return out
 
 
@@ -387,6 +389,9 @@ def remedy(cfg, world, capacity, cuda, load=None):
     def fits_somewhere(c, w, apart=True):
         return any(memory.fits(memory.plan(c, lay, cuda, load), capacity) is None for lay in candidates(c, w, apart))
 
+    if cuda and memory.BLAS_WORKSPACES > memory.TRAIN_SHARE * capacity:   # every layout's floor: no search can help
+        return (f"Nor would any number of ranks: cuBLAS' workspaces alone take {memory.BLAS_WORKSPACES / 2 ** 20:.0f} "
+                f"MiB a rank; --gpu-memory is in GiB")
     if not cfg.activation_checkpointing and fits_somewhere(dataclasses.replace(cfg, activation_checkpointing=True),
                                                            world):
         return "--activation-checkpointing would fit"

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 import comm
+import config
 import memory
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}  # dense bf16
@@ -180,9 +181,9 @@ class Log:
             os.makedirs(cfg.save, exist_ok=True)
             with open(os.path.join(cfg.save, "run_config.json"), "w") as f:
                 f.write(json.dumps(vars(cfg), indent=2) + "\n")
-            self.say(f"config: {os.path.join(cfg.save, 'run_config.json')}")
+            self.say(f"config: {config.summary(cfg)} (all of it: {os.path.join(cfg.save, 'run_config.json')})")
         else:
-            self.say(f"config: {json.dumps(vars(cfg))}")
+            self.say(f"config: {config.summary(cfg)} (the rest as the preset; all of it: run_config.json with --save)")
         for line in data_lines:
             self.say(line)
         self.say("parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()))

@@ -264,6 +264,12 @@ def plan(cfg, lay, cuda=True, load=None):
     return out
 
 
+def figure(x, places=2):
+    """x to `places` decimals, or to 2 significant digits where that would print 0 (a tiny model's GiB and
+    seconds)."""
+    return f"{x:.{places}f}" if x == 0 or abs(x) >= 10 ** -places else f"{x:.2g}"
+
+
 def capacity(device):
     """Bytes of memory one rank has: its GPU's (the share torch.cuda.set_per_process_memory_fraction allows: a larger
     card held to a smaller one's memory), or on the CPU the machine's RAM shared by the local ranks."""
@@ -287,8 +293,8 @@ def fits(rows, capacity):
     for key, share, what in LIMITS:
         need = max(r[key] for r in rows.values())
         if need > share * capacity:
-            return (f"{need / GIB:.1f} GiB per rank at its {what}, over the {100 * share:.0f} % of the "
-                    f"{capacity / GIB:.1f} GiB a rank has that it may use")
+            return (f"{figure(need / GIB, 1)} GiB per rank at its {what}, over the {100 * share:.0f} % of the "
+                    f"{figure(capacity / GIB, 1)} GiB a rank has that it may use")
     return None
 
 
@@ -311,18 +317,19 @@ def dry_run(cfg, lay, capacity, predicted, load=None):
         print("  (each rank holds the tower and its language stage: each row both)")
     width = max(map(len, rows))
     for kind, r in rows.items():
-        print(f"  {kind:{width}s} " + "  ".join(f"{k} {v / GIB:.2f}" for k, v in r.items()))
+        print(f"  {kind:{width}s} " + "  ".join(f"{k} {figure(v / GIB)}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
     stages = f" (the slowest of {lay.lm_pp} stages)" if lay.lm_pp > 1 else ""
-    print(f"predicted on Hopper GPUs (cost.py): {predicted['step']:.2f} s a step (a micro-batch: vision "
-          f"{predicted['vision']:.3f} s, language {predicted['language']:.3f} s{stages}; tail {predicted['tail']:.3f} "
+    print(f"predicted on Hopper GPUs (cost.py): {figure(predicted['step'])} s a step (a micro-batch: vision "
+          f"{figure(predicted['vision'], 3)} s, language {figure(predicted['language'], 3)} s{stages}; tail "
+          f"{figure(predicted['tail'], 3)} "
           f"s; bubble {100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
-    print(f"against {capacity / GIB:.1f} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of it, "
-          f"the set-up peak {100 * SETUP_SHARE:.0f} %):")
+    print(f"against {figure(capacity / GIB, 1)} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of "
+          f"it, the set-up peak {100 * SETUP_SHARE:.0f} %):")
     for kind, r in rows.items():
-        print(f"  {kind:{width}s} {'fits' if fit[kind] else 'does NOT fit'} {capacity / GIB:.1f} GiB: peak "
-              f"{r['peak'] / GIB:.2f} GiB ({100 * r['peak'] / capacity:.0f} %), setup {r['setup'] / GIB:.2f} GiB "
-              f"({100 * r['setup'] / capacity:.0f} %)")
+        print(f"  {kind:{width}s} {'fits' if fit[kind] else 'does NOT fit'} {figure(capacity / GIB, 1)} GiB: peak "
+              f"{figure(r['peak'] / GIB)} GiB ({100 * r['peak'] / capacity:.0f} %), setup "
+              f"{figure(r['setup'] / GIB)} GiB ({100 * r['setup'] / capacity:.0f} %)")
     print(json.dumps({"params_total": total_lm + total_mtp + n_vision, "params_active": active_lm + n_vision,
                       "params_vision": n_vision, "params_language": total_lm, "params_mtp": total_mtp,
                       "layout": lay.describe(),

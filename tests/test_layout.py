@@ -31,7 +31,7 @@ def choose(cfg, world, capacity=H100, cuda=True):
     fitting = [c for c in fitting if c.lm_cp == 1] or fitting                    # cp only where nothing else fits
     step = cost.step_seconds(cfg, lay, cuda)["step"]
     assert all(step <= cost.step_seconds(cfg, c, cuda)["step"] for c in fitting)
-    assert len(said) == 1 and lay.describe() in said[0] and f"({step:.2f} s a step" in said[0], said
+    assert len(said) == 1 and lay.describe() in said[0] and f"({memory.figure(step)} s a step" in said[0], said
     return lay, plans[lay], said[0]
 
 
@@ -254,7 +254,8 @@ def test_sizes_that_do_not_divide_name_what_would():
     with pytest.raises(SystemExit) as e:
         layout.check_layout(lay, cfg)
     msg = str(e.value)
-    for part in ("lm_tp 2 does not divide vocab_size 339 (--vocab-size 340 would pad it); --lm-tp 1 would divide "
+    for part in ("lm_tp 2 does not divide vocab_size 339 (--vocab-size 340 would pad a new model's; a loaded model "
+                 "keeps its own); --lm-tp 1 would divide "
                  "every size it splits",
                  "vision_tp 3 does not divide vit_heads 4; vision_tp 3 does not divide vit_mlp 64; --vision-tp 2 or 4 "
                  "would divide every size it splits",
@@ -301,3 +302,19 @@ def test_a_chosen_layout_with_a_raised_micro_batch_trains_as_one_process():
     results = run_distributed(_train_own_lanes_chosen, 4, ONE_STEP, timeout=60.0)
     assert [h[0]["loss"] is not None for h, _, _ in results] == [True] * 4
     assert_step_matches(results, ref, "own lanes, micro-batch raised to 2")
+
+
+def test_a_memory_no_rank_can_have_is_answered_without_a_search():
+    """--gpu-memory 0.00001 (issue 53): below cuBLAS' workspaces no number of ranks helps, said at once (the search
+    over world sizes up to MAX_WORLD took 41 s on the tiny preset; it is not run)."""
+    cfg = config.resolve("tiny")
+    searched = []
+    real = layout.candidates
+    try:
+        layout.candidates = lambda *a, **k: searched.append(a[1]) or real(*a, **k)
+        with pytest.raises(SystemExit) as e:
+            layout.plan(cfg, 8, 0.00001 * GIB, cuda=True, say=print)
+    finally:
+        layout.candidates = real
+    assert "Nor would any number of ranks: cuBLAS' workspaces alone take 64 MiB a rank" in str(e.value), e.value
+    assert searched == [8], searched   # the 8 ranks asked for, and no other world size

@@ -192,3 +192,12 @@ def test_the_closing_lines_say_how_to_go_on(capsys):
         log = logs.Log(config.resolve("tiny", {"steps": "5"}), True, 0)
         log.close(step, "/r")
         assert want in capsys.readouterr().out.splitlines()
+
+
+def test_the_config_line_names_what_differs_from_the_preset():
+    """Issue 53, friction 9: the start-up's config line was the whole config as one JSON line (about 2,500
+    characters for tiny); it names the preset and what differs from it."""
+    import config
+    cfg = config.resolve("tiny", {"steps": 2, "lr": 1e-3})
+    assert config.summary(cfg) == "preset tiny, steps 2, lr 0.001"
+    assert config.summary(config.resolve("20l")) == "preset 20l"

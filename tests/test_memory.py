@@ -218,8 +218,8 @@ def test_dry_run_cli_last_line():
         assert last["capacity_gib"] == gib and last["fits"] == {"vision": True, "language": True}
         for kind, r in rows.items():   # e.g. "  language fits 80.0 GiB: peak 71.30 GiB (89 %), setup 19.04 GiB (24 %)"
             peak, setup = r["peak"] / memory.GIB, r["setup"] / memory.GIB
-            verdict = (f"{kind} fits {gib:.1f} GiB: peak {peak:.2f} GiB ({100 * peak / gib:.0f} %), setup "
-                       f"{setup:.2f} GiB ({100 * setup / gib:.0f} %)")
+            verdict = (f"{kind} fits {gib:.1f} GiB: peak {memory.figure(peak)} GiB ({100 * peak / gib:.0f} %), setup "
+                       f"{memory.figure(setup)} GiB ({100 * setup / gib:.0f} %)")
             assert verdict in [" ".join(line.split()) for line in lines], (verdict, lines)
 
 
@@ -233,7 +233,7 @@ def test_dry_run_verdict_per_rank_kind(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert json.loads(lines[-1])["fits"] == {"vision": True, "language": False}
     assert [line.split()[:3] for line in lines if line.split()[1:2] in (["fits"], ["does"])] == \
-        [["vision", "fits", "0.1"], ["language", "does", "NOT"]]
+        [["vision", "fits", "0.069"], ["language", "does", "NOT"]]
 
 
 def test_refusal_names_the_figure_that_does_not_fit():
@@ -331,3 +331,16 @@ def test_the_dry_run_plans_the_data_s_largest_sample(tmp_path):
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert "densest seq_len of packed documents" in last["tower_load"] and path in last["tower_load"]
     assert "the tower: " in out.stdout and "the tower at " in out.stdout
+
+
+def test_tiny_figures_are_not_printed_as_zero(capsys):
+    """A tiny model's bytes and seconds (issue 53, friction 2: the dry run printed 0.00 everywhere): two significant
+    digits where the fixed decimals would print 0."""
+    assert [memory.figure(x) for x in (0, 71.3, 0.06, 0.0049, 0.00037)] == ["0.00", "71.30", "0.06", "0.0049",
+                                                                              "0.00037"]
+    assert memory.figure(0.04, 1) == "0.04" and memory.figure(0.25, 1) == "0.2"
+    cfg, lay = _cfg_lay()
+    memory.dry_run(cfg, lay, 80 * memory.GIB, cost.step_seconds(cfg, lay))
+    out = capsys.readouterr().out
+    weights = next(line for line in out.splitlines() if line.split()[:1] == ["language"]).split()[2]
+    assert float(weights) > 0 and "predicted on Hopper GPUs (cost.py): 0.00 s" not in out, out

@@ -263,7 +263,8 @@ def test_log_lines(tmp_path):
     out = sh(sys.executable, "train.py", *argv)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert f"config: {save}/run_config.json" in lines
+    assert any(line.startswith("config: preset ") and line.endswith(f"(all of it: {save}/run_config.json)")
+               for line in lines), lines
     saved = open(os.path.join(save, "run_config.json")).read()
     assert saved.startswith('{\n  "preset": "tiny"') and json.loads(saved)["seq_len"] == 96
     assert f"train data: {docs} (100%): 6 documents, 192 tokens" in lines                  # 6 x 32

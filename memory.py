@@ -1,7 +1,7 @@
 """The memory plan: bytes per rank of weights, gradients, optimizer state and the activations of the micro-batches
 in flight, for the vision and the language rank kinds of a layout, the latter per pipeline stage
-(`train.py --dry-run [--world-size N]`), and the fit rule (required(), fits()) by which layout.py chooses a layout,
-or refuses one, before anything is built.
+(`train.py --dry-run [--world-size N]`), and the fit rule (required(), fits()) by which chooser.py chooses a layout,
+or warns of one, before anything is built.
 
 Per trained parameter (its local slice: / tp, / (ep x etp) for experts), on CUDA, in bytes (optim.py):
   distributed optimizer        weights 2 (bf16)  gradient 4 (fp32 main_grad)  optimizer 12 / d (fp32 main + moments)

@@ -443,7 +443,7 @@ def layer_flops_per_token(cfg, seq_len):
 def stage_layers(cfg, pp, split=()):
     """The decoder's layers of each of `pp` pipeline stages: contiguous ranges, at least one layer each, that
     make the slowest stage's training FLOPs (the last stage's with the head and MTP) as small as can be; or with
-    `split` (the first layer of each stage after the first: layout.fit_split's, where that split does not fit a
+    `split` (the first layer of each stage after the first: chooser.fit_split's, where that split does not fit a
     rank's memory) those."""
     if pp == 1 or split:
         bounds = [0, *split, len(cfg.hybrid_override_pattern)]

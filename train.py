@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import chooser
 import cli
 import comm
 import config
@@ -91,8 +92,8 @@ def main(argv=None):
     rank = int(os.environ.get("RANK", 0))
     say = print if rank == 0 else lambda msg: None
     world = inv.world_size if inv.dry_run and inv.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-    if inv.world_size is not None and not 1 <= world <= layout.MAX_WORLD:   # a launcher's world is what it is
-        raise SystemExit(f"--world-size {world}: must be 1 to {layout.MAX_WORLD}, the largest world the layout "
+    if inv.world_size is not None and not 1 <= world <= chooser.MAX_WORLD:   # a launcher's world is what it is
+        raise SystemExit(f"--world-size {world}: must be 1 to {chooser.MAX_WORLD}, the largest world the layout "
                          "chooser plans")
     # one run at a time saves into a directory: rank 0 holds it from before the requeue reads it to the run's end
     holds, line = rank == 0 and not (inv.dry_run or inv.eval_only), shlex.join(
@@ -107,7 +108,7 @@ def main(argv=None):
         if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built
             capacity = inv.gpu_memory * memory.GIB
             load = data.tower_load(datasets(cfg, data.load_tokenizer(start.tokenizer, cfg), True)[0], cfg)
-            lay = layout.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load)
+            lay = chooser.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load)
             return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay), load)
         if any(getattr(cfg, k) is not None for k in config.LAYOUT_FIELDS):
             layout.plan(cfg, world)   # grid flags that name no valid layout: refused before the ranks meet
@@ -142,7 +143,7 @@ def setup(cfg, inv, start, device, say):
     try:   # a refused layout leaves no process group behind (tests call main() in their process)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
-        lay = layout.plan(cfg, world, memory.capacity(device), cuda=device.type == "cuda", say=say,
+        lay = chooser.plan(cfg, world, memory.capacity(device), cuda=device.type == "cuda", say=say,
                           load=data.tower_load(train_data, cfg))
     except SystemExit:
         if own_group:

@@ -160,9 +160,10 @@ def _train_in_little_memory(rank, world, argv, capacity):
 @pytest.mark.slow
 def test_a_stage_short_of_memory_gives_layers_to_its_neighbour(reference):
     """Four stages of tiny on a rank memory the compute split does not fit (its first stage keeps four
-    micro-batches): layout.fit_split moves the first stage's second layer on, and the step still equals one
+    micro-batches): chooser.fit_split moves the first stage's second layer on, and the step still equals one
     process."""
     import cli
+    import chooser
     import layout
     import memory
     argv = ONE_STEP + ["--vision-dp", "1", "--lm-dp", "1", "--lm-pp", "4"]
@@ -170,7 +171,7 @@ def test_a_stage_short_of_memory_gives_layers_to_its_neighbour(reference):
     assert lay.lm_split == () and model.stage_layers(config.resolve("tiny"), 4)[0] == range(0, 2)
     capacity = 3.0e6   # bytes: the compute split's first stage plans 3.26 MB with the share the peak may use
     assert memory.fits(memory.plan(cli.config_of(argv), lay, cuda=False), capacity) is not None
-    moved = layout.plan(cli.config_of(argv), 5, capacity, cuda=False)
+    moved = chooser.plan(cli.config_of(argv), 5, capacity, cuda=False)
     assert moved.lm_split == (1, 4, 6) and "pp4 from layers 0, 1, 4, 6" in moved.describe()
     results = run_distributed(_train_in_little_memory, 5, argv, capacity, timeout=120.0)
     held = [{k.split(".")[3] for k in state if k.startswith("language.backbone.layers.")} for _, state, _ in results]

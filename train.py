@@ -79,6 +79,7 @@ class Run:
     eval_loader: data.Loader = None
     schedule: Schedule = None            # the order of the micro-batches' work around the bridge and the pipe
     counters: dict = None                # step, good_steps, consumed_samples, skipped (checkpoint.FRESH)
+    planned: str = ""                    # the memory plan's peak a rank, for an out-of-memory error's line
 
     @property
     def modules(self):
@@ -117,6 +118,10 @@ def main(argv=None):
             # signals from here on: every rank stops at the same micro-batch boundary (failsafe.py)
             stop = failsafe.Stop(device, watchdog.backstop(cfg.collective_timeout))
             history = evaluate_only(run, stop) if inv.eval_only else train(run, stop)
+        except torch.OutOfMemoryError as e:   # its line (cli.fail) names the plan and what would fit
+            e.args = (f"{str(e).splitlines()[0]} [{run.planned}: more ranks, --activation-checkpointing, or the "
+                      "layout `--dry-run --world-size N` picks without grid flags]",)
+            raise
         finally:
             watchdog.stop()
     finally:
@@ -143,8 +148,8 @@ def setup(cfg, inv, start, device, say):
     try:   # a refused layout leaves no process group behind (tests call main() in their process)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
-        lay = chooser.plan(cfg, world, memory.capacity(device), cuda=device.type == "cuda", say=say,
-                          load=data.tower_load(train_data, cfg))
+        capacity, load = memory.capacity(device), data.tower_load(train_data, cfg)
+        lay = chooser.plan(cfg, world, capacity, cuda=device.type == "cuda", say=say, load=load)
     except SystemExit:
         if own_group:
             dist.destroy_process_group()
@@ -153,6 +158,9 @@ def setup(cfg, inv, start, device, say):
     parallel.print_ranks(par)
     lead = par.lm is not None and par.lm.lane_lead and par.lm.dp_rank == 0   # prints the loss
     run = Run(cfg, start, lay, par, device, lead, own_group)
+    peak = max(r["peak"] for r in memory.plan(cfg, lay, device.type == "cuda", load).values())
+    run.planned = (f"the plan: {memory.figure(peak / memory.GIB, 1)} GiB a rank of "
+                   f"{memory.figure(capacity / memory.GIB, 1)} ({lay.brief()})")
     source = start.load   # a step directory, or hf_interop.HFSource: whatever it holds is loaded, not drawn
     if source is not None and not hasattr(source, "read"):
         source = comm.on_every_rank(resume.call, checkpoint.Reader, source)

@@ -178,6 +178,8 @@ FAILURES = {   # what a failing decoder block does (h: its input)
     # an index out of range on the GPU: a device-side assert, which breaks the CUDA context (raised at a later call)
     "cuda-assert": "h.new_zeros(4)[torch.full((1,), 1 << 20, device=h.device)]",
     "cuda-oom": "torch.empty(1 << 50, dtype=torch.uint8, device=h.device)",
+    # what the caching allocator raises, on any device (the CPU's allocator raises a RuntimeError of its own)
+    "oom": 'raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\\nmore of it")',
 }
 
 
@@ -253,6 +255,20 @@ def test_an_error_on_one_rank_ends_every_rank_within_seconds(tmp_path, layout):
     line = assert_one_failure_line(out, 1, f"step 2, micro-batch 1/{micro}")
     assert line.endswith("LanguageModel._layers)") and f'File "{ROOT}' not in out, out[-3000:]
     print(f"{layout}: {after:.2f} s from the failure to torchrun's end")
+
+
+@pytest.mark.slow
+def test_an_out_of_memory_error_names_the_plan_and_what_would_fit(tmp_path):
+    """Issue 54: the plan is an estimate, so a layout over it runs; where memory does run out, the failure's line
+    names the plan's peak and the layout, and the ways to fit."""
+    world, flags, micro = LAYOUTS["hetero"]
+    status, out, _ = run_failing(tmp_path, world, TINY + flags, failing_block("oom"), OMP_NUM_THREADS="1")
+    line = assert_one_failure_line(out, 1, f"step 2, micro-batch 1/{micro}", r"OutOfMemoryError: CUDA out of "
+                                   r"memory\. Tried to allocate 2\.00 GiB\. \[the plan: [0-9.e-]+ GiB a rank of "
+                                   r"[0-9.]+ \(hetero: vision tp1 on 1 \| language tp1 on 1\): more ranks, "
+                                   r"--activation-checkpointing, or the layout `--dry-run --world-size N` picks "
+                                   r"without grid flags\]")
+    assert status != 0 and "more of it" not in line, (status, out[-3000:])
 
 
 def _python_ranks(script, world):

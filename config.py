@@ -4,9 +4,9 @@ its command line (`--field-name VALUE`, one flag per field) and the presets.
 A preset is a dict of overrides on the defaults below; `resolve()` applies preset, then vision variant, then the
 user's values, and checks the result. Field names of the language model follow HF `config.json` (nemotron_h);
 vision fields start with `vit_`. A checkpoint saves the whole Config as its run record (checkpoint.py) and
-`--load` restores it (resume.py; a record of an earlier version through upgrade_record): MODEL_FIELDS say what its
-weights mean, so a different value given with `--load` is refused; every other field may change on resume, and a
-change is logged.
+`--load` restores it (resume.py; a record of an earlier version through upgrade_record). Each field's metadata says
+its role (ROLES): the model's fields (MODEL_FIELDS, derived) say what its weights mean, so a different value given
+with `--load` is refused, as for the fixed ones; every other field may change on resume, and a change is logged.
 """
 import argparse
 import dataclasses
@@ -19,61 +19,62 @@ from dataclasses import dataclass, field
 
 
 def _f(default, help=None, **meta):
-    """A field with its --help text (and `choices`) for the command line."""
+    """A field with its --help text (and `choices`) for the command line, and where it has one its role (ROLES):
+    what a checkpoint and a resumed run make of it."""
     return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class Config:
-    preset: str = _f("tiny", "model and defaults (fields below override it)", choices=("tiny", "small", "20l", "54l",
-                                                                                          "nano", "super"))
+    preset: str = _f("tiny", "model and defaults (fields below override it)", role="fixed",
+                     choices=("tiny", "small", "20l", "54l", "nano", "super"))
     # ---- language model (HF nemotron_h names) ----
-    vocab_size: int = 131072
-    hidden_size: int = 2688
-    hybrid_override_pattern: str = "MEMEM*EMEMEM*EMEMEM*"
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 8
-    head_dim: int = 128
-    mamba_num_heads: int = 64
-    mamba_head_dim: int = 64
-    n_groups: int = 8
-    ssm_state_size: int = 128
-    conv_kernel: int = 4
-    chunk_size: int = 128
-    n_routed_experts: int = 128
-    num_experts_per_tok: int = 6
-    moe_intermediate_size: int = 1856
-    moe_shared_expert_intermediate_size: int = 3712
+    vocab_size: int = _f(131072, role="language")
+    hidden_size: int = _f(2688, role="language")
+    hybrid_override_pattern: str = _f("MEMEM*EMEMEM*EMEMEM*", role="language")
+    num_attention_heads: int = _f(32, role="language")
+    num_key_value_heads: int = _f(8, role="language")
+    head_dim: int = _f(128, role="language")
+    mamba_num_heads: int = _f(64, role="language")
+    mamba_head_dim: int = _f(64, role="language")
+    n_groups: int = _f(8, role="language")
+    ssm_state_size: int = _f(128, role="language")
+    conv_kernel: int = _f(4, role="language")
+    chunk_size: int = _f(128, role="language")
+    n_routed_experts: int = _f(128, role="language")
+    num_experts_per_tok: int = _f(6, role="language")
+    moe_intermediate_size: int = _f(1856, role="language")
+    moe_shared_expert_intermediate_size: int = _f(3712, role="language")
     moe_latent_size: int | None = _f(None, "LatentMoE: routed experts run in this width (fc1 / fc2_latent_proj around "
-                                     "them); None: the hidden size, no projections")
-    intermediate_size: int = _f(1856, "dense '-' MLP width")
-    routed_scaling_factor: float = 2.5
+                                     "them); None: the hidden size, no projections", role="language")
+    intermediate_size: int = _f(1856, "dense '-' MLP width", role="language")
+    routed_scaling_factor: float = _f(2.5, role="language")
     num_nextn_predict_layers: int = _f(0, "multi-token prediction blocks (their weights); depth k runs block (k-1) mod "
-                                       "this (docs/super.md §3)")
-    mtp_pattern: str = _f("*E", "the layers of one MTP block (HF mtp_layers_block_type)")
+                                       "this (docs/super.md §3)", role="language")
+    mtp_pattern: str = _f("*E", "the layers of one MTP block (HF mtp_layers_block_type)", role="language")
     mtp_depths: int | None = _f(None, "MTP depths trained (default: num_nextn_predict_layers; more: blocks shared)")
     mtp_loss_scale: float = _f(0.1, "weight of the MTP loss, the mean over depths (Megatron's 0.1; Super trains 0.3)")
-    norm_eps: float = 1e-5
-    init_std: float = _f(0.0173, "Megatron recipes' init std, not HF's 0.02")
+    norm_eps: float = _f(1e-5, role="language")
+    init_std: float = _f(0.0173, "Megatron recipes' init std, not HF's 0.02", role="language")
     moe_aux_loss_coeff: float = _f(1e-4, "seq_aux_loss")
     moe_bias_update_rate: float = _f(1e-3, "aux-loss-free expert-bias step")
     # ---- vision tower (RADIO ViT) + projector ----
-    vision: str = _f("vit-h", "variant name, expands to the vit_* fields below", choices=("tiny", "vit-b", "vit-l",
-                                                                                         "vit-h", "vit-g"))
-    vit_hidden: int = 1280
-    vit_depth: int = 32
-    vit_heads: int = 16
-    vit_mlp: int = 5120
-    vit_patch: int = 16
-    vit_cpe_grid: int = _f(128, "the CPE table is vit_cpe_grid x vit_cpe_grid")
-    class_token_len: int = 10
+    vision: str = _f("vit-h", "variant name, expands to the vit_* fields below", role="vision",
+                     choices=("tiny", "vit-b", "vit-l", "vit-h", "vit-g"))
+    vit_hidden: int = _f(1280, role="vision")
+    vit_depth: int = _f(32, role="vision")
+    vit_heads: int = _f(16, role="vision")
+    vit_mlp: int = _f(5120, role="vision")
+    vit_patch: int = _f(16, role="vision")
+    vit_cpe_grid: int = _f(128, "the CPE table is vit_cpe_grid x vit_cpe_grid", role="vision")
+    class_token_len: int = _f(10, role="vision")
     vit_random_crop_cpe: bool = False
-    projector_hidden: int = 20480
+    projector_hidden: int = _f(20480, role="vision")
     min_num_patches: int = 1024
     max_num_patches: int = 13312
-    image_token_id: int = 511
+    image_token_id: int = _f(511, role="model")
     video_temporal_patch: int = _f(0, "frames per video tubelet of the tower's video embedder (Nano Omni: 2; "
-                                   "0: no video embedder, images only); docs/vision.md §11")
+                                   "0: no video embedder, images only); docs/vision.md §11", role="vision")
     video_target_patches: int = _f(1024, "a video frame's fixed canvas, in patches (its aspect kept): "
                                    "transformers' video_target_num_patches")
     video_fps: float = _f(0.0, "sample a video at this many frames per second of its own time (0: every frame)")
@@ -85,7 +86,7 @@ class Config:
     eval_data: str | None = _f(None, "held-out data (file or blend) for --eval-every, with any --data")
     eval_frac: float = _f(0.0, "else hold out the last FRAC of every --data file")
     tokenizer: str | None = _f(None, "HF tokenizer directory (its chat template renders chats) or tokenizer.json; "
-                               "default: offline byte-level tokenizer. A checkpoint keeps a copy")
+                               "default: offline byte-level tokenizer. A checkpoint keeps a copy", role="fixed")
     train_on: str = _f("assistant", "chat tokens with loss", choices=("assistant", "all"))
     pack: bool = _f(False, "pack documents into seq_len rows (document masks)")
     skip_bad_samples: bool = _f(False, "skip and count bad data lines, not fail")
@@ -117,25 +118,27 @@ class Config:
     activation_checkpointing: bool = False
     distributed_optimizer: bool = _f(True, "sharded AdamW, bf16 weights on CUDA (optim.py); off: plain AdamW, fp32 "
                                      "weights, gradients and state replicated over data parallel")
-    lora_rank: int = _f(0, "train LoRA adapters of this rank only (lora.py)")
-    lora_alpha: float = _f(32.0, "LoRA scale = alpha / rank")
-    lora_targets: str | None = _f(None, "regex over full layer names (default: lora.TARGETS)")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank only (lora.py)", role="fixed")
+    lora_alpha: float = _f(32.0, "LoRA scale = alpha / rank", role="fixed")
+    lora_targets: str | None = _f(None, "regex over full layer names (default: lora.TARGETS)", role="fixed")
     moe_dispatcher: str = _f("alltoall", None, choices=("alltoall", "deepep"))
     moe_force_balance: bool = _f(False, "benchmarks only: route every token to fixed experts in turn, so all experts "
                                  "get the same rows (the routers of published throughputs)")
     max_skipped_steps: int = _f(10, "abort after this many consecutive non-finite steps (0: never)")
     collective_timeout: float = _f(300.0, "seconds the ranks may wait on each other before the run ends with a line "
                                    "naming the wait (set-up, the first step and evaluation: 4 times it; watchdog.py)")
-    # ---- layout (None: chosen, layout.py) ----
-    vision_tp: int | None = None
-    vision_dp: int | None = None
-    lm_tp: int | None = None
-    lm_dp: int | None = None
-    lm_ep: int | None = None
-    lm_etp: int | None = None
-    lm_cp: int | None = _f(None, "context parallel: each language rank of a lane holds 1/N of every sequence (cp.py)")
-    lm_pp: int | None = _f(None, "pipeline parallel: the language model's layers in N stages (docs/pipeline.md)")
-    colocated: bool | None = _f(None, "both modules on every rank")
+    # ---- layout (None: chosen, chooser.py) ----
+    vision_tp: int | None = _f(None, role="layout")
+    vision_dp: int | None = _f(None, role="layout")
+    lm_tp: int | None = _f(None, role="layout")
+    lm_dp: int | None = _f(None, role="layout")
+    lm_ep: int | None = _f(None, role="layout")
+    lm_etp: int | None = _f(None, role="layout")
+    lm_cp: int | None = _f(None, "context parallel: each language rank of a lane holds 1/N of every sequence (cp.py)",
+                           role="layout")
+    lm_pp: int | None = _f(None, "pipeline parallel: the language model's layers in N stages (docs/pipeline.md)",
+                           role="layout")
+    colocated: bool | None = _f(None, "both modules on every rank", role="layout")
     # ---- logging ----
     log_every: int = 1
     metrics_file: str | None = None
@@ -155,21 +158,24 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
-# The language model's shape: the fields an HF nemotron_h config carries (hf_interop.py renames norm_eps, init_std).
-LANGUAGE_FIELDS = ("vocab_size", "hidden_size", "hybrid_override_pattern", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "mamba_num_heads", "mamba_head_dim", "n_groups",
-                   "ssm_state_size", "conv_kernel", "chunk_size", "n_routed_experts", "num_experts_per_tok",
-                   "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
-                   "intermediate_size", "routed_scaling_factor", "norm_eps", "init_std", "num_nextn_predict_layers",
-                   "mtp_pattern")
-VISION_FIELDS = ("vision", "vit_hidden", "vit_depth", "vit_heads", "vit_mlp", "vit_patch", "vit_cpe_grid",
-                 "class_token_len", "projector_hidden", "video_temporal_patch")
+# What each field is (its metadata's role), a field at home saying it: the language model's shape, the fields an
+# HF nemotron_h config carries (hf_interop.py renames norm_eps, init_std); the tower's shape; what else a checkpoint's
+# weights mean; what a resumed run may not change besides (the adapters, the preset behind the defaults, the
+# tokenizer, compared by content: resume.py); the layout. Any other field may change on resume, and a change is
+# logged.
+ROLES = ("language", "vision", "model", "fixed", "layout")
+
+
+def _role(*roles):
+    return tuple(name for name, f in FIELDS.items() if f.metadata.get("role") in roles)
+
+
+LANGUAGE_FIELDS = _role("language")
+VISION_FIELDS = _role("vision")
 # What a checkpoint's weights mean: they load only into a run with equal values (checkpoint.load checks them).
-MODEL_FIELDS = LANGUAGE_FIELDS + VISION_FIELDS + ("image_token_id",)
-# ... and what a resumed run may not change besides: the adapters, the preset behind the defaults, the tokenizer
-# (compared by content: resume.py).
-FIXED_ON_RESUME = MODEL_FIELDS + ("preset", "lora_rank", "lora_alpha", "lora_targets", "tokenizer")
-LAYOUT_FIELDS = ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "lm_pp", "colocated")
+MODEL_FIELDS = _role("language", "vision", "model")
+FIXED_ON_RESUME = _role("language", "vision", "model", "fixed")
+LAYOUT_FIELDS = _role("layout")
 
 
 VIT_VARIANTS = {  # hidden, depth, heads, mlp, projector hidden (= 4 * 4C after 2x2 pixel shuffle)

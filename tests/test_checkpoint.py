@@ -378,3 +378,17 @@ def test_pipeline_with_tp_and_ep_reshards(pp_straight, tmp_path):
             assert torch.equal(expected, t), (rank, name)
     resumed = run_distributed(_train, 3, PP(2) + ["--steps", "3", "--load", save, "--save", str(tmp_path / "pp2")])
     assert abs(resumed[-1][0][0] - losses[2]) < 1e-5, (resumed[-1][0], losses)
+
+
+def test_the_field_lists_are_what_the_fields_say():
+    """Issue 54: each field says its role in its metadata (config.ROLES) and the lists a checkpoint and a resume
+    check are derived from them: a field added with role="language" is checked on --load with no list to edit."""
+    import dataclasses
+    assert {f.metadata.get("role") for f in dataclasses.fields(config.Config)} == {None, *config.ROLES}
+    assert set(config.MODEL_FIELDS) == set(config.LANGUAGE_FIELDS) | set(config.VISION_FIELDS) | {"image_token_id"}
+    assert set(config.FIXED_ON_RESUME) - set(config.MODEL_FIELDS) == {"preset", "lora_rank", "lora_alpha",
+                                                                         "lora_targets", "tokenizer"}
+    assert len(config.LANGUAGE_FIELDS) == 23 and len(config.VISION_FIELDS) == 10
+    assert config.LAYOUT_FIELDS == ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "lm_pp",
+                                    "colocated")
+    assert {"mtp_depths", "mtp_loss_scale", "min_num_patches", "seq_len", "steps"}.isdisjoint(config.FIXED_ON_RESUME)

@@ -2,7 +2,7 @@
 training (sharded) and by the offline tools (full tensors: save_model; hf_interop.py's import-hf).
 
   DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
-  DIR/.lock              while a run saves here: its flock and a line naming it (hold); removed when it ends
+  DIR/.lock              while a run saves here: its flock and a line naming it (locks.hold); removed when it ends
   DIR/step_00000006/
     model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
                          and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts, after
@@ -23,20 +23,16 @@ Loading assembles a tensor from the saved slices (comm.unshard; the saving layou
 rank's slice (comm.take_shard): any layout loads any other, and with an unchanged layout a rank reads only its own
 files. Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
 A run resumes from the newest complete step (`newest`), no command deletes a complete step (a save replaces only an
-interrupted save's leftover of its own step) and one run at a time holds a save directory (`hold`): docs/checkpoints.md
-§4. HF NemotronH export and import: hf_interop.py.
+interrupted save's leftover of its own step) and one run at a time holds a save directory (locks.py):
+docs/checkpoints.md §4. HF NemotronH export and import: hf_interop.py.
 """
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import random
 import re
 import shutil
-import socket
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -47,11 +43,12 @@ from safetensors.torch import save_file
 
 import comm
 import config
+import locks
 import memory
 import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
-LOCK_NAME, STEP = ".lock", re.compile(r"step_\d{8}")
+STEP = re.compile(r"step_\d{8}")
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "language." + module key
@@ -145,72 +142,6 @@ def enclosing(path):
             return None
         path = os.path.dirname(path)
     return path
-
-
-# ---------------------------------------------------------------- one run per save directory
-
-class Hold:
-    """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
-    however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
-    refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
-    finds it unlinked and takes a new one)."""
-
-    def __init__(self, path, fd):
-        self.path, self.fd = path, fd
-
-    def release(self):
-        if self.fd is None:   # released already
-            return
-        if _same_file(self.fd, self.path):
-            os.remove(self.path)
-        os.close(self.fd)
-        self.fd = None
-
-
-def hold(root, command):
-    """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
-    it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
-    naming that holder."""
-    path = os.path.join(root, LOCK_NAME)
-    try:
-        os.makedirs(root, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):   # e.g. Lustre mounted without flock
-                    print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
-                          "would not be refused", flush=True)
-                    break
-                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise
-                holder = os.read(fd, 4096).decode(errors="replace").strip() or "its holder is starting"
-                os.close(fd)
-                raise SystemExit(f"--save {root} is in use by another run ({holder}). Wait for it to end, or "
-                                 "choose another --save") from None
-            if _same_file(fd, path):
-                break
-            os.close(fd)   # released by its holder after we opened it: take the file that is there now
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
-        return Hold(path, fd)
-    except OSError as e:
-        raise SystemExit(_unwritable(root, 0, e)) from None
-
-
-def _same_file(fd, path):
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _unwritable(root, rank, e):
-    return f"--save {root}: rank {rank} cannot write there ({type(e).__name__}: {e.strerror or e}); give a " \
-           "writable directory (every rank writes into it)"
 
 
 # ---------------------------------------------------------------- save
@@ -307,7 +238,7 @@ class Saver:
                 f.write("ok")
             os.remove(probe)
         except OSError as e:
-            raise SystemExit(_unwritable(self.root, self.rank, e)) from None
+            raise SystemExit(locks.unwritable(self.root, self.rank, e)) from None
 
     def after_step(self, step, counters, last):
         if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:

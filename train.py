@@ -40,6 +40,7 @@ import data
 import failsafe
 import init
 import layout
+import locks
 import logs
 import memory
 import mock
@@ -97,11 +98,11 @@ def main(argv=None):
     # one run at a time saves into a directory: rank 0 holds it from before the requeue reads it to the run's end
     holds, line = rank == 0 and not (inv.dry_run or inv.eval_only), shlex.join(
         ["train.py", *(sys.argv[1:] if argv is None else argv)])
-    held = [checkpoint.hold(given["save"], line)] if holds and given.get("save") else []
+    held = [locks.hold(given["save"], line)] if holds and given.get("save") else []
     try:
         cfg, start = resume.resolve(inv, given, world, say)
         if holds and cfg.save and not held:   # --load CKPT saves on into its directory
-            held.append(checkpoint.hold(cfg.save, line))
+            held.append(locks.hold(cfg.save, line))
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
             torch.device("cpu")
         if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built

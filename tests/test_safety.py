@@ -14,6 +14,7 @@ import torch
 
 import checkpoint
 import hf_interop
+import locks
 import radio
 from tests.spawn import run_distributed
 from tests.test_failsafe import _train, latest
@@ -161,15 +162,15 @@ def test_import_refuses_a_checkpoint_and_a_non_empty_out(small, run4, tmp_path):
 
 def test_hold_refuses_a_second_holder_and_releases(tmp_path):
     save = str(tmp_path / "run")
-    held = checkpoint.hold(save, "train.py --save run")
+    held = locks.hold(save, "train.py --save run")
     with pytest.raises(SystemExit) as e:
-        checkpoint.hold(save, "train.py --other")
+        locks.hold(save, "train.py --other")
     assert re.fullmatch(rf"--save {save} is in use by another run \(pid {os.getpid()} on host "
                         rf"{re.escape(socket.gethostname())} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: train\.py --save "
                         r"run\)\. Wait for it to end, or choose another --save", str(e.value)), str(e.value)
     held.release()
     assert os.listdir(save) == []   # a run that ends leaves nothing behind
-    checkpoint.hold(save, "again").release()
+    locks.hold(save, "again").release()
 
 
 def test_a_killed_holder_leaves_no_lock(tmp_path):
@@ -178,7 +179,7 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
     pid = os.fork()
     if pid == 0:   # the first run: holds the directory, then is killed with SIGKILL (no clean-up runs)
         try:
-            checkpoint.hold(save, "first")
+            locks.hold(save, "first")
             os.write(go, b"1")
             signal.pause()
         finally:
@@ -186,16 +187,16 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
     os.close(go)
     assert os.read(ready, 1) == b"1"
     with pytest.raises(SystemExit, match=rf"in use by another run \(pid {pid} on host .*: first\)"):
-        checkpoint.hold(save, "second")
+        locks.hold(save, "second")
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    checkpoint.hold(save, "second").release()
+    locks.hold(save, "second").release()
 
 
 def test_a_second_run_on_one_save_is_refused(tmp_path):
     """train.main takes the hold (rank 0, before it reads --save): here another holder is this test process."""
     save = str(tmp_path / "run")
-    held = checkpoint.hold(save, "the other run")
+    held = locks.hold(save, "the other run")
     try:
         (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
     finally:

@@ -23,8 +23,9 @@ Loading assembles a tensor from the saved slices (comm.unshard; the saving layou
 rank's slice (comm.take_shard): any layout loads any other, and with an unchanged layout a rank reads only its own
 files. Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
 A run resumes from the newest complete step (`newest`), no command deletes a complete step (a save replaces only an
-interrupted save's leftover of its own step) and one run at a time holds a save directory (locks.py):
-docs/checkpoints.md §4. HF NemotronH export and import: hf_interop.py.
+interrupted save's leftover of its own step), one run at a time holds a save directory and a reader pins the step
+it reads against --keep-last pruning (`pin`; locks.py): docs/checkpoints.md §4. HF NemotronH export and import:
+hf_interop.py.
 """
 import dataclasses
 import json
@@ -333,8 +334,7 @@ class Saver:
             if self.cfg.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
                 older = sorted(d for d in os.listdir(self.root) if STEP.fullmatch(d)
                                and d <= os.path.basename(step_dir))
-                for d in older[:-self.cfg.keep_last]:
-                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+                locks.prune(self.root, older[:-self.cfg.keep_last])
             print(f"saved checkpoint {step_dir}", flush=True)
         dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
 
@@ -395,6 +395,16 @@ def resolve(path, say=None):
     return step_dir
 
 
+def pin(path, say=None):
+    """resolve(path), pinned (locks.pin) until locks.unpin(): a run still saving into a save directory may prune
+    with --keep-last the step a reader chose. One pruned before its pin is chosen again: the newest complete step now
+    (a step directory given: gone, one line)."""
+    while True:
+        step_dir = resolve(path, say)
+        if locks.pin(step_dir):
+            return step_dir
+
+
 def saved_config(path, overrides=None):
     """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only); a record
     of an earlier version as config.upgrade_record reads it."""
@@ -410,10 +420,11 @@ def saved_config(path, overrides=None):
 
 
 class Reader:
-    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json."""
+    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json. Its step
+    is pinned (pin) until locks.unpin()."""
 
     def __init__(self, path):
-        self.dir = resolve(path)
+        self.dir = pin(path)
         self.meta = read_json(os.path.join(self.dir, META_NAME),
                               f"restore it, or --load an earlier step of {os.path.dirname(self.dir)}")
         if self.meta.get("format") != FORMAT:

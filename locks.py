@@ -1,13 +1,20 @@
-"""Who may use a save directory at once (docs/checkpoints.md §4): one run saves into it, holding DIR/.lock (hold).
-A flock: the kernel drops it when its process ends, however it ends (SIGKILL too), so no crashed run leaves one
-behind."""
+"""Who may use a save directory at once (docs/checkpoints.md §4). One run saves into it, holding DIR/.lock (hold).
+Readers (--load of a run that is still saving, --eval-only, export-hf) read its steps meanwhile: each pins the step
+it reads (pin) until it is done (unpin), and --keep-last pruning (prune) deletes only steps no reader pins, each
+renamed aside first, so a reader sees a step whole or not at all. Both are flocks: the kernel drops one when its
+process ends, however it ends (SIGKILL too), so no crashed run or reader leaves one behind.
+"""
 import errno
 import fcntl
 import os
+import shutil
 import socket
 import time
 
-LOCK_NAME = ".lock"
+LOCK_NAME, PRUNING = ".lock", ".pruning."   # DIR/.pruning.step_N: a step being deleted (prune)
+# flock errors of file systems that have none (Lustre mounted without flock; NFS refuses an exclusive lock on a
+# descriptor not open for writing, as a directory's is)
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF)
 
 
 class Hold:
@@ -40,7 +47,7 @@ def hold(root, command):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):   # e.g. Lustre mounted without flock
+                if e.errno in NO_LOCKS:
                     print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
                           "would not be refused", flush=True)
                     break
@@ -72,3 +79,67 @@ def _same_file(fd, path):
 def unwritable(root, rank, e):
     return f"--save {root}: rank {rank} cannot write there ({type(e).__name__}: {e.strerror or e}); give a " \
            "writable directory (every rank writes into it)"
+
+
+# ---------------------------------------------------------------- readers of a live save directory
+
+_pins = {}   # step directory -> the descriptor this process holds its shared flock on
+
+
+def pin(step_dir):
+    """A shared flock on step directory `step_dir` until unpin(): prune() leaves the step to a later save meanwhile.
+    -> False when the step was pruned before the lock (gone, or renamed aside): the caller chooses again."""
+    if step_dir in _pins:
+        return True
+    try:
+        fd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    if _lock(fd, fcntl.LOCK_SH) and _same_file(fd, step_dir):
+        _pins[step_dir] = fd
+        return True
+    os.close(fd)
+    return False
+
+
+def unpin():
+    """Drop this process's pins (its reads are done)."""
+    for fd in _pins.values():
+        os.close(fd)
+    _pins.clear()
+
+
+def prune(root, names):
+    """Delete the step directories `names` of save directory `root` (--keep-last): each renamed aside under an
+    exclusive flock, so a reader never finds a step half deleted; one a reader pins is left to a later save."""
+    for name in os.listdir(root):   # left by a prune that was killed midway
+        if name.startswith(PRUNING):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in names:
+        path, aside = os.path.join(root, name), os.path.join(root, PRUNING + name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            if not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                continue
+            os.rename(path, aside)
+        except OSError:   # pruning never fails a save: the step stays for the next one
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _lock(fd, how):
+    """flock(fd, how) -> whether it is locked; True on a file system without locks (a reader then is not safe from
+    a prune: docs/checkpoints.md §4), False when another process holds it (LOCK_NB)."""
+    try:
+        fcntl.flock(fd, how)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+            return False
+        if e.errno not in NO_LOCKS:
+            raise
+    return True

@@ -12,6 +12,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 import checkpoint
 import config
 import data
@@ -41,7 +43,7 @@ def resolve(inv, given, world, say):
         return cfg, Start("fresh", tokenizer=cfg.tokenizer)
     if hf_interop.is_hf_dir(load):
         return _from_hf(load, given, say)
-    step_dir = call(checkpoint.resolve, load, say)
+    step_dir = call(checkpoint.pin, load, say)   # until set-up has read it (train.setup)
     record = call(checkpoint.saved_config, step_dir)
     meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
                 f"earlier step of {os.path.dirname(step_dir)}")
@@ -79,6 +81,27 @@ def resolve(inv, given, world, say):
         lineage.append(_real(load))
     start.tokenizer = _tokenizer(cfg, step_dir, given.get("tokenizer"), load)
     return cfg, start
+
+
+def agree(start):
+    """Every rank loads rank 0's step: each chose the newest before the ranks met (resolve), and a run still saving
+    into --load may have committed a step in between. Rank 0's stays pinned until every rank has loaded it."""
+    if not isinstance(start.load, str) or not dist.is_initialized():
+        return
+    chosen = [start.load]
+    dist.broadcast_object_list(chosen, 0)
+    if chosen[0] == start.load:
+        return
+    step_dir = call(checkpoint.pin, chosen[0])
+    if call(checkpoint.saved_config, step_dir) != call(checkpoint.saved_config, start.load):
+        raise SystemExit(f"{os.path.dirname(step_dir)} changed while this run started: rank 0 loads "
+                         f"{os.path.basename(step_dir)}, rank {dist.get_rank()} chose {os.path.basename(start.load)}, "
+                         "whose run record differs. Run the command again")
+    for name in ("tokenizer", "source"):   # the run's files: those of the step loaded
+        path = getattr(start, name)
+        if path is not None and path.startswith(start.load + os.sep):
+            setattr(start, name, step_dir + path[len(start.load):])
+    start.load = step_dir
 
 
 def _shown(field, value):

@@ -120,6 +120,7 @@ def main(argv=None):
         finally:
             watchdog.stop()
     finally:
+        locks.unpin()
         for h in held:
             h.release()
     if run.own_group:
@@ -141,6 +142,7 @@ def setup(cfg, inv, start, device, say):
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
     try:   # a refused layout leaves no process group behind (tests call main() in their process)
+        comm.on_every_rank(resume.agree, start)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
         lay = layout.plan(cfg, world, memory.capacity(device), cuda=device.type == "cuda", say=say,
@@ -191,6 +193,7 @@ def setup(cfg, inv, start, device, say):
     if start.kind == "resume" and rank == 0 and not inv.eval_only:
         optim.schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
                                  f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
+    locks.unpin()   # read: a run still saving there may prune it (and this run's own saves may)
     return run
 
 

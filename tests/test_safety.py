@@ -8,6 +8,9 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tests.test_failsafe import _train, latest
 from tests.test_hf import build_lm, full
 
 TINY = ["--preset", "tiny", "--global-batch", "2", "--lr-decay-iters", "6"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tree(root):
@@ -205,6 +209,80 @@ def test_a_second_run_on_one_save_is_refused(tmp_path):
     assert os.listdir(save) == []
     (done,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
     assert len(done[0]) == 1 and ".lock" not in os.listdir(save)
+
+
+# ---------------------------------------------------------------- readers of a run that is still saving
+
+def _after_the_choice(then):
+    """checkpoint.saved_config calls then() once, before its first read: the reader has chosen its step (resume.py
+    reads the run record of the step it chose first). In this forked child only."""
+    read, calls = checkpoint.saved_config, []
+
+    def first_then(path, *args, **kwargs):
+        if not calls:
+            calls.append(path)
+            then()
+        return read(path, *args, **kwargs)
+    checkpoint.saved_config = first_then
+
+
+def _read_while_the_run_prunes(rank, world, argv, save):
+    """train.main(argv) reading --load `save` while the run that saves there goes on: between this reader's choice
+    of the newest step and its reads, that run (`python train.py`) saves its next step and prunes (--keep-last 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                              "MASTER_ADDR", "MASTER_PORT")}
+    _after_the_choice(lambda: subprocess.run([sys.executable, "train.py", "--load", save, "--steps", "5",
+                                              "--keep-last", "1"], cwd=ROOT, env=env, check=True,
+                                             stdout=subprocess.DEVNULL))
+    return _train(rank, world, argv)
+
+
+@pytest.mark.parametrize("line", ["eval", "branch"])
+def test_a_reader_of_a_run_that_prunes_reads_the_step_it_chose(run4, tmp_path, capfd, line):
+    """--eval-only --load D, or a branch --load D --save B, while D's run saves with --keep-last 1: the step the
+    reader chose is pinned, so that run's pruning leaves it for a later save (it failed: `step_00000004/meta.json:
+    missing`, or a safetensors file missing, read half deleted)."""
+    d = copy(run4, tmp_path / "D")
+    argv = {"eval": ["--eval-only", "--load", d], "branch": ["--load", d, "--steps", "5", "--save",
+                                                            str(tmp_path / "B")]}[line]
+    (result,) = run_distributed(_read_while_the_run_prunes, 1, argv, d)
+    assert not isinstance(result, str), result
+    assert f"checkpoint: loaded {d}/step_00000004 (step 4)" in capfd.readouterr().out
+    assert len(result[0]) == 1 and ("eval_loss" in result[0][0] if line == "eval" else result[0][0]["step"] == 5)
+    # its run pruned steps 1-3, kept the pinned one, and leaves nothing aside; with the reader gone, it goes
+    assert sorted(os.listdir(d)) == ["latest", "run_config.json", "step_00000004", "step_00000005"]
+    locks.prune(d, ["step_00000004"])
+    assert sorted(os.listdir(d)) == ["latest", "run_config.json", "step_00000005"]
+
+
+def _ranks_meet_a_new_step(rank, world, argv, step4, save, marker):
+    """Rank 0 chooses step 3, the newest; then the run saving into `save` commits step 4 (`step4`, kept aside),
+    and only then does rank 1 choose."""
+    if rank == 0:
+        _after_the_choice(lambda: open(marker, "w").close())
+    else:
+        while not os.path.exists(marker):
+            time.sleep(0.05)
+        os.rename(step4, os.path.join(save, "step_00000004"))
+        checkpoint.write_atomic(os.path.join(save, "latest"), "step_00000004\n")
+    out = _train(rank, world, argv)
+    return out if isinstance(out, str) else out[1]
+
+
+def test_every_rank_loads_rank_0s_step(run4, tmp_path):
+    """Ranks that chose different steps of a run still saving (one committed between their choices) all load rank
+    0's (rank 1 loaded step 4, rank 0 step 3)."""
+    d = copy(run4, tmp_path / "D")
+    step4 = str(tmp_path / "step4")
+    os.rename(os.path.join(d, "step_00000004"), step4)
+    checkpoint.write_atomic(os.path.join(d, "latest"), "step_00000003\n")
+    ranks = run_distributed(_ranks_meet_a_new_step, 2, ["--eval-only", "--load", d], step4, d,
+                            str(tmp_path / "chosen"))
+    three, four = (checkpoint.load_model(os.path.join(d, s))[1] for s in ("step_00000003", "step_00000004"))
+    for weights in ranks:
+        assert not isinstance(weights, str), weights
+        assert weights and all(torch.equal(t, three[k]) for k, t in weights.items())
+    assert any(not torch.equal(t, four[k]) for weights in ranks for k, t in weights.items())
 
 
 # ---------------------------------------------------------------- branches

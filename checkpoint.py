@@ -411,7 +411,7 @@ def saved_config(path, overrides=None):
     step_dir = resolve(path)
     path = os.path.join(step_dir, CONFIG_NAME)
     values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
-    config.record_types(values, path)
+    config.check_record(values, path)
     values = config.upgrade_record(values, path)
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
     if unknown:

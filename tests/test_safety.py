@@ -411,3 +411,23 @@ def test_a_hand_edited_run_record_of_the_wrong_types_is_one_line(run4, tmp_path,
     json.dump(dict(json.load(open(record)), **edit), open(record, "w"))
     (msg,) = run_distributed(_train, 1, ["--load", d, "--steps", "5"])
     assert msg.startswith(f"{record}: {said}; correct the file (it is the run's record)"), msg
+
+
+def test_a_run_record_missing_a_field_is_one_line(run4, tmp_path):
+    """A field deleted from a config.json by hand: one line naming it (the run resumed at the default seq_len 8192,
+    its own was 96, and saved that on; a missing hidden_size was a shape mismatch against 2688). A field added since
+    runs were first recorded (config.LATER_FIELDS) may be absent, as in a record of an earlier version: the run
+    resumes, and its next record holds every field."""
+    def resume(drop):
+        d = copy(run4, tmp_path / "-".join(drop))
+        record = os.path.join(d, "step_00000004", "config.json")
+        json.dump({k: v for k, v in json.load(open(record)).items() if k not in drop}, open(record, "w"))
+        return d, record, run_distributed(_train, 1, ["--load", d, "--steps", "5"])[0]
+    for drop, said in ((["seq_len"], '"seq_len"'), (["seq_len", "hidden_size", "lm_pp"], '"hidden_size", "seq_len"')):
+        _, record, msg = resume(drop)
+        assert msg == f"{record}: missing {said} (no default stands in for the run's value); correct the file (it " \
+                      "is the run's record). Check --load (a save directory or DIR/step_N of a run of this model)"
+    d, _, (history, _) = resume(["lm_pp", "video_fps", "collective_timeout"])
+    assert [h["step"] for h in history] == [5]
+    assert json.load(open(os.path.join(d, "step_00000005", "config.json"))).keys() == \
+        json.load(open(os.path.join(d, "step_00000003", "config.json"))).keys()

@@ -21,10 +21,11 @@ class Hold:
     """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
     however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
     refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
-    finds it unlinked and takes a new one)."""
+    finds it unlinked and takes a new one), then the directories hold() created that are empty (`made`, deepest
+    first): a refused run, or one that failed before it wrote anything there, leaves none behind."""
 
-    def __init__(self, path, fd):
-        self.path, self.fd = path, fd
+    def __init__(self, path, fd, made):
+        self.path, self.fd, self.made = path, fd, made
 
     def release(self):
         if self.fd is None:   # released already
@@ -33,17 +34,25 @@ class Hold:
             os.remove(self.path)
         os.close(self.fd)
         self.fd = None
+        for d in self.made:
+            try:
+                os.rmdir(d)   # only an empty one
+            except OSError:
+                break
 
 
 def hold(root, command):
     """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
     it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
     naming that holder."""
-    path = os.path.join(root, LOCK_NAME)
+    path, made = os.path.join(root, LOCK_NAME), []
     try:
-        os.makedirs(root, exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            made = sorted(set(made + _makedirs(root)), key=len, reverse=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:   # removed by a run that had created it and was refused meanwhile
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -63,9 +72,26 @@ def hold(root, command):
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
-        return Hold(path, fd)
+        return Hold(path, fd, made)
     except OSError as e:
         raise SystemExit(unwritable(root, 0, e)) from None
+
+
+def _makedirs(root):
+    """os.makedirs(root, exist_ok=True) -> the directories it created (none that another process did meanwhile)."""
+    todo, d = [], os.path.abspath(root)
+    while not os.path.lexists(d):
+        todo.append(d)
+        d = os.path.dirname(d)
+    made = []
+    for d in reversed(todo):
+        try:
+            os.mkdir(d)
+            made.append(d)
+        except FileExistsError:
+            pass
+    os.makedirs(root, exist_ok=True)   # what is in the way (a file, a dangling link) raises as it did
+    return made
 
 
 def _same_file(fd, path):

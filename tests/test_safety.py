@@ -173,7 +173,7 @@ def test_hold_refuses_a_second_holder_and_releases(tmp_path):
                         rf"{re.escape(socket.gethostname())} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: train\.py --save "
                         r"run\)\. Wait for it to end, or choose another --save", str(e.value)), str(e.value)
     held.release()
-    assert os.listdir(save) == []   # a run that ends leaves nothing behind
+    assert not os.path.exists(save)   # a run that ends leaves nothing behind: nor the directory it created for nothing
     locks.hold(save, "again").release()
 
 
@@ -203,12 +203,27 @@ def test_a_second_run_on_one_save_is_refused(tmp_path):
     held = locks.hold(save, "the other run")
     try:
         (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
+        assert os.listdir(save) == [".lock"]   # the holder's: the refused run wrote nothing
     finally:
         held.release()
     assert isinstance(msg, str) and msg.startswith(f"--save {save} is in use by another run (pid {os.getpid()} "), msg
-    assert os.listdir(save) == []
     (done,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
     assert len(done[0]) == 1 and ".lock" not in os.listdir(save)
+
+
+def test_a_refused_run_leaves_no_save_directory_behind(tmp_path):
+    """A run refused by a user error, or failing before it writes into --save, removes the directories it created
+    for it (they were left empty); a directory that was there stays, and so does what is in one."""
+    new = str(tmp_path / "runs" / "a" / "b")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for save in (new, str(kept), str(kept / "new")):
+        for bad in (["--load", str(tmp_path / "nowhere")], ["--data", str(tmp_path / "none.jsonl")],
+                    ["--lm-tp", "3"]):
+            (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save, *bad])
+            assert isinstance(msg, str), msg
+            assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(kept) == ["notes.txt"], (save, bad)
 
 
 # ---------------------------------------------------------------- readers of a run that is still saving

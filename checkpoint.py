@@ -222,16 +222,17 @@ class Saver:
     and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
     --keep-last pruning. At most one save in flight. A failed write (any rank, sync or async) ends the run on every
     rank, naming the step directory and the cause, and `latest` stays. Every rank writes (its rank json), so every
-    rank checks at the start that it can write into it. lineage: the run's sources (resume.py); run_files(step_dir):
-    rank 0 writes the run's other files (tokenizer, HF source) before the step is committed."""
+    rank checks at the start that it can write into it, and that the paths it will write fit its file system.
+    lineage: the run's sources (resume.py); run_files(step_dir): rank 0 writes the run's other files (tokenizer, HF
+    source) before the step is committed; run_names(): their paths in a step directory."""
 
-    def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None):
+    def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None, run_names=None):
         self.root, self.par, self.cfg, self.modules, self.opt, self.data = cfg.save, par, cfg, modules, opt, data
         self.lineage, self.run_files = list(lineage), run_files
         self.rank, self.pending, self.last = dist.get_rank(), None, None
-        comm.on_every_rank(self._check_writable)
+        comm.on_every_rank(self._check_writable, run_names)
 
-    def _check_writable(self):
+    def _check_writable(self, run_names):
         try:
             os.makedirs(self.root, exist_ok=True)
             probe = os.path.join(self.root, f".write_test.rank{self.rank}")
@@ -240,6 +241,11 @@ class Saver:
             os.remove(probe)
         except OSError as e:
             raise SystemExit(locks.unwritable(self.root, self.rank, e)) from None
+        names = {_shard_file("model", n, getattr(t, "shards", ()), coords, g.pp_rank if g.pp_size > 1 else None)
+                 for n, t, g, coords, _ in _entries(self.par, self.modules) if _writes(t, g)}   # optim.*: as long
+        names |= {f"rank_{self.rank:05d}.json"} | ({CONFIG_NAME, META_NAME} if self.rank == 0 else set())
+        names = [n + ".tmp" for n in names] + (run_names() if run_names and self.rank == 0 else [])   # write_atomic
+        _check_lengths(self.root, f"step_{self.cfg.steps:08d}", names)
 
     def after_step(self, step, counters, last):
         if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:
@@ -337,6 +343,27 @@ class Saver:
                 locks.prune(self.root, older[:-self.cfg.keep_last])
             print(f"saved checkpoint {step_dir}", flush=True)
         dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
+
+
+def _check_lengths(root, step, names):
+    """The paths `names` (relative to step directory `step` of save directory `root`) fit the limits of root's file
+    system (PC_NAME_MAX, PC_PATH_MAX; measured absolute: write_atomic opens the directory so), or one line: before
+    the first step rather than in the first save."""
+    size = lambda s: len(os.fsencode(s))   # noqa: E731
+    try:
+        name_max, path_max = (os.pathconf(root, k) for k in ("PC_NAME_MAX", "PC_PATH_MAX"))
+    except (OSError, ValueError):   # limits the system does not tell
+        return
+    long = max((p for n in names for p in [step, *n.split("/")]), key=size)
+    if 0 < name_max < size(long):
+        raise SystemExit(f"--save {root}: a checkpoint writes {long}, a name of {size(long)} bytes, but its file "
+                         f"system allows {name_max}. Choose a --save on another file system")
+    name = max(names, key=size)
+    path = os.path.join(os.path.abspath(root), step, name)
+    if 0 < path_max <= size(path):   # the limit counts the terminating NUL
+        raise SystemExit(f"--save {root}: a checkpoint writes {step}/{name} there, a path of {size(path)} bytes, but "
+                         f"its file system allows {path_max - 1}. Choose a --save whose absolute path has at most "
+                         f"{path_max - 3 - size(step) - size(name)} bytes")
 
 
 def save_model(path, cfg, state_dict):

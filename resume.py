@@ -10,6 +10,7 @@ refused (_requeue); a run never saves over later steps.
 """
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -206,6 +207,24 @@ def write_run_files(step_dir, tokenizer, source):
         tokenizer.save(os.path.join(step_dir, checkpoint.TOKENIZER_DIR))
     if source is not None:
         hf_interop.copy_source(source, os.path.join(step_dir, checkpoint.SOURCE_DIR))
+
+
+def run_file_names(tokenizer, source):
+    """The paths in a step directory that write_run_files writes (the Saver checks their length before step 1): the
+    tokenizer's copy as it saves itself (here into a temporary directory), the HF source's files copy_source links
+    and its carried tensors."""
+    names = []
+    if hasattr(tokenizer, "save"):
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save(tmp)
+            names += [os.path.join(checkpoint.TOKENIZER_DIR, os.path.relpath(os.path.join(d, f), tmp))
+                      for d, _, files in os.walk(tmp) for f in files]
+    if source is not None:
+        names += [os.path.join(checkpoint.SOURCE_DIR, n) for n in os.listdir(source) if os.path.isfile(
+            os.path.join(source, n)) and not hf_interop.WEIGHT_FILES.search(n)]
+        carried = os.path.exists(os.path.join(source, hf_interop.CARRIED_NAME))   # linked, else written (+ .tmp)
+        names.append(os.path.join(checkpoint.SOURCE_DIR, hf_interop.CARRIED_NAME + ("" if carried else ".tmp")))
+    return names
 
 
 def call(fn, *args, **kwargs):

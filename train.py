@@ -389,7 +389,8 @@ def train(run, stop):
     `stop`: failsafe.Stop (a signal ends the run at a micro-batch boundary, saving the last completed step)."""
     cfg, start = run.cfg, run.start
     saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, lambda d: \
-        resume.write_run_files(d, run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable
+        resume.write_run_files(d, run.tokenizer, start.source), lambda: resume.run_file_names(
+            run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable, its paths fit
     log = logs.Log(cfg, run.log_rank, run.counters["step"])
     if run.log_rank:
         summaries = [logs.data_summary("train", run.train_data)]

@@ -1,7 +1,7 @@
 """Who may use a save directory at once (docs/checkpoints.md §4). One run saves into it, holding DIR/.lock (hold).
 Readers (--load of a run that is still saving, --eval-only, export-hf) read its steps meanwhile: each pins the step
 it reads (pin) until it is done (unpin), and --keep-last pruning (prune) deletes only steps no reader pins, each
-renamed aside first, so a reader sees a step whole or not at all. Both are flocks: the kernel drops one when its
+renamed aside first, so a reader sees a step whole or not at all. Each is a flock: the kernel drops one when its
 process ends, however it ends (SIGKILL too), so no crashed run or reader leaves one behind.
 """
 import errno
@@ -12,8 +12,8 @@ import socket
 import time
 
 LOCK_NAME, PRUNING = ".lock", ".pruning."   # DIR/.pruning.step_N: a step being deleted (prune)
-# flock errors of file systems that have none (Lustre mounted without flock; NFS refuses an exclusive lock on a
-# descriptor not open for writing, as a directory's is)
+# flock errors of file systems that have none (Lustre mounted without flock), or none for a descriptor such as a
+# directory's, open for reading only (EBADF: an exclusive lock emulated as a POSIX write lock)
 NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF)
 
 

@@ -209,6 +209,21 @@ def write_run_files(step_dir, tokenizer, source):
         hf_interop.copy_source(source, os.path.join(step_dir, checkpoint.SOURCE_DIR))
 
 
+def run_source(cfg, start):
+    """The HF files this run's next save copies (copy_source): those of its newest step in --save once it has them,
+    else Start.source (the HF directory, or those of the step it was loaded from: borrowed)."""
+    step_dir = checkpoint.newest(cfg.save)[0]
+    own = step_dir and os.path.join(step_dir, checkpoint.SOURCE_DIR)
+    return own if own and os.path.isdir(own) else start.source
+
+
+def borrowed(cfg, start):
+    """Whether this run's saves copy HF files from a step of another save directory until they have a copy of their
+    own (a branch or fine-tune of a run that may prune that step meanwhile: rank 0 keeps it pinned till then)."""
+    return start.kind in ("resume", "weights") and None not in (cfg.save, start.source) and \
+        not _inside(start.source, cfg.save)
+
+
 def run_file_names(tokenizer, source):
     """The paths in a step directory that write_run_files writes (the Saver checks their length before step 1): the
     tokenizer's copy as it saves itself (here into a temporary directory), the HF source's files copy_source links

@@ -193,7 +193,8 @@ def setup(cfg, inv, start, device, say):
     if start.kind == "resume" and rank == 0 and not inv.eval_only:
         optim.schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
                                  f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
-    locks.unpin()   # read: a run still saving there may prune it (and this run's own saves may)
+    if rank != 0 or inv.eval_only or not resume.borrowed(cfg, start):   # else till its saves have their own copy
+        locks.unpin()   # read: a run still saving there may prune it (and this run's own saves may)
     return run
 
 
@@ -388,9 +389,15 @@ def train(run, stop):
     """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step).
     `stop`: failsafe.Stop (a signal ends the run at a micro-batch boundary, saving the last completed step)."""
     cfg, start = run.cfg, run.start
-    saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, lambda d: \
-        resume.write_run_files(d, run.tokenizer, start.source), lambda: resume.run_file_names(
-            run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable, its paths fit
+
+    def run_files(step_dir):   # rank 0, before the step is committed
+        source = resume.run_source(cfg, start)
+        if source != start.source:   # the run's own copy: the step it was loaded from may go (resume.borrowed)
+            locks.unpin()
+        resume.write_run_files(step_dir, run.tokenizer, source)
+    saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, run_files, lambda:
+                             resume.run_file_names(run.tokenizer, resume.run_source(cfg, start))) \
+        if cfg.save else None   # checks --save is writable, its paths fit
     log = logs.Log(cfg, run.log_rank, run.counters["step"])
     if run.log_rank:
         summaries = [logs.data_summary("train", run.train_data)]

@@ -2,7 +2,7 @@
 training (sharded) and by the offline tools (full tensors: save_model; hf_interop.py's import-hf).
 
   DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
-  DIR/.lock              while a run saves here: its flock and a line naming it (hold); removed when it ends
+  DIR/.lock              while a run saves here: its flock and a line naming it (locks.hold); removed when it ends
   DIR/step_00000006/
     model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
                          and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts, after
@@ -23,20 +23,17 @@ Loading assembles a tensor from the saved slices (comm.unshard; the saving layou
 rank's slice (comm.take_shard): any layout loads any other, and with an unchanged layout a rank reads only its own
 files. Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
 A run resumes from the newest complete step (`newest`), no command deletes a complete step (a save replaces only an
-interrupted save's leftover of its own step) and one run at a time holds a save directory (`hold`): docs/checkpoints.md
-§4. HF NemotronH export and import: hf_interop.py.
+interrupted save's leftover of its own step), one run at a time holds a save directory and a reader pins the step
+it reads against --keep-last pruning (`pin`; locks.py): docs/checkpoints.md §4. HF NemotronH export and import:
+hf_interop.py.
 """
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import random
 import re
 import shutil
-import socket
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -47,11 +44,12 @@ from safetensors.torch import save_file
 
 import comm
 import config
+import locks
 import memory
 import watchdog
 
 CONFIG_NAME, META_NAME, TOKENIZER_DIR, SOURCE_DIR = "config.json", "meta.json", "tokenizer", "source"
-LOCK_NAME, STEP = ".lock", re.compile(r"step_\d{8}")
+STEP = re.compile(r"step_\d{8}")
 FORMAT = "hetero-vlm-checkpoint/1"
 FRESH = {"step": 0, "good_steps": 0, "consumed_samples": 0, "skipped": 0}
 LM_PREFIX, LM_ROOTS = "language.", ("backbone.", "lm_head.", "mtp.")   # full names: "language." + module key
@@ -147,72 +145,6 @@ def enclosing(path):
     return path
 
 
-# ---------------------------------------------------------------- one run per save directory
-
-class Hold:
-    """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
-    however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
-    refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
-    finds it unlinked and takes a new one)."""
-
-    def __init__(self, path, fd):
-        self.path, self.fd = path, fd
-
-    def release(self):
-        if self.fd is None:   # released already
-            return
-        if _same_file(self.fd, self.path):
-            os.remove(self.path)
-        os.close(self.fd)
-        self.fd = None
-
-
-def hold(root, command):
-    """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
-    it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
-    naming that holder."""
-    path = os.path.join(root, LOCK_NAME)
-    try:
-        os.makedirs(root, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):   # e.g. Lustre mounted without flock
-                    print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
-                          "would not be refused", flush=True)
-                    break
-                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise
-                holder = os.read(fd, 4096).decode(errors="replace").strip() or "its holder is starting"
-                os.close(fd)
-                raise SystemExit(f"--save {root} is in use by another run ({holder}). Wait for it to end, or "
-                                 "choose another --save") from None
-            if _same_file(fd, path):
-                break
-            os.close(fd)   # released by its holder after we opened it: take the file that is there now
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n".encode())
-        return Hold(path, fd)
-    except OSError as e:
-        raise SystemExit(_unwritable(root, 0, e)) from None
-
-
-def _same_file(fd, path):
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _unwritable(root, rank, e):
-    return f"--save {root}: rank {rank} cannot write there ({type(e).__name__}: {e.strerror or e}); give a " \
-           "writable directory (every rank writes into it)"
-
-
 # ---------------------------------------------------------------- save
 
 def _writes(t, m):
@@ -290,16 +222,17 @@ class Saver:
     and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
     --keep-last pruning. At most one save in flight. A failed write (any rank, sync or async) ends the run on every
     rank, naming the step directory and the cause, and `latest` stays. Every rank writes (its rank json), so every
-    rank checks at the start that it can write into it. lineage: the run's sources (resume.py); run_files(step_dir):
-    rank 0 writes the run's other files (tokenizer, HF source) before the step is committed."""
+    rank checks at the start that it can write into it, and that the paths it will write fit its file system.
+    lineage: the run's sources (resume.py); run_files(step_dir): rank 0 writes the run's other files (tokenizer, HF
+    source) before the step is committed; run_names(): their paths in a step directory."""
 
-    def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None):
+    def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None, run_names=None):
         self.root, self.par, self.cfg, self.modules, self.opt, self.data = cfg.save, par, cfg, modules, opt, data
         self.lineage, self.run_files = list(lineage), run_files
         self.rank, self.pending, self.last = dist.get_rank(), None, None
-        comm.on_every_rank(self._check_writable)
+        comm.on_every_rank(self._check_writable, run_names)
 
-    def _check_writable(self):
+    def _check_writable(self, run_names):
         try:
             os.makedirs(self.root, exist_ok=True)
             probe = os.path.join(self.root, f".write_test.rank{self.rank}")
@@ -307,7 +240,12 @@ class Saver:
                 f.write("ok")
             os.remove(probe)
         except OSError as e:
-            raise SystemExit(_unwritable(self.root, self.rank, e)) from None
+            raise SystemExit(locks.unwritable(self.root, self.rank, e)) from None
+        names = {_shard_file("model", n, getattr(t, "shards", ()), coords, g.pp_rank if g.pp_size > 1 else None)
+                 for n, t, g, coords, _ in _entries(self.par, self.modules) if _writes(t, g)}   # optim.*: as long
+        names |= {f"rank_{self.rank:05d}.json"} | ({CONFIG_NAME, META_NAME} if self.rank == 0 else set())
+        names = [n + ".tmp" for n in names] + (run_names() if run_names and self.rank == 0 else [])   # write_atomic
+        _check_lengths(self.root, f"step_{self.cfg.steps:08d}", names)
 
     def after_step(self, step, counters, last):
         if (self.cfg.save_every and step % self.cfg.save_every == 0) or last:
@@ -402,10 +340,30 @@ class Saver:
             if self.cfg.keep_last:   # the newest K up to this one; later ones (an abandoned run) are left alone
                 older = sorted(d for d in os.listdir(self.root) if STEP.fullmatch(d)
                                and d <= os.path.basename(step_dir))
-                for d in older[:-self.cfg.keep_last]:
-                    shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+                locks.prune(self.root, older[:-self.cfg.keep_last])
             print(f"saved checkpoint {step_dir}", flush=True)
         dist.barrier()   # no rank goes on (or reports the save) before `latest` is written
+
+
+def _check_lengths(root, step, names):
+    """The paths `names` (relative to step directory `step` of save directory `root`) fit the limits of root's file
+    system (PC_NAME_MAX, PC_PATH_MAX; measured absolute: write_atomic opens the directory so), or one line: before
+    the first step rather than in the first save."""
+    size = lambda s: len(os.fsencode(s))   # noqa: E731
+    try:
+        name_max, path_max = (os.pathconf(root, k) for k in ("PC_NAME_MAX", "PC_PATH_MAX"))
+    except (OSError, ValueError):   # limits the system does not tell
+        return
+    long = max((p for n in names for p in [step, *n.split("/")]), key=size)
+    if 0 < name_max < size(long):
+        raise SystemExit(f"--save {root}: a checkpoint writes {long}, a name of {size(long)} bytes, but its file "
+                         f"system allows {name_max}. Choose a --save on another file system")
+    name = max(names, key=size)
+    path = os.path.join(os.path.abspath(root), step, name)
+    if 0 < path_max <= size(path):   # the limit counts the terminating NUL
+        raise SystemExit(f"--save {root}: a checkpoint writes {step}/{name} there, a path of {size(path)} bytes, but "
+                         f"its file system allows {path_max - 1}. Choose a --save whose absolute path has at most "
+                         f"{path_max - 3 - size(step) - size(name)} bytes")
 
 
 def save_model(path, cfg, state_dict):
@@ -464,13 +422,23 @@ def resolve(path, say=None):
     return step_dir
 
 
+def pin(path, say=None):
+    """resolve(path), pinned (locks.pin) until locks.unpin(): a run still saving into a save directory may prune
+    with --keep-last the step a reader chose. One pruned before its pin is chosen again: the newest complete step now
+    (a step directory given: gone, one line)."""
+    while True:
+        step_dir = resolve(path, say)
+        if locks.pin(step_dir):
+            return step_dir
+
+
 def saved_config(path, overrides=None):
     """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only); a record
     of an earlier version as config.upgrade_record reads it."""
     step_dir = resolve(path)
     path = os.path.join(step_dir, CONFIG_NAME)
     values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
-    config.record_types(values, path)
+    config.check_record(values, path)
     values = config.upgrade_record(values, path)
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
     if unknown:
@@ -479,10 +447,11 @@ def saved_config(path, overrides=None):
 
 
 class Reader:
-    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json."""
+    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json. Its step
+    is pinned (pin) until locks.unpin()."""
 
     def __init__(self, path):
-        self.dir = resolve(path)
+        self.dir = pin(path)
         self.meta = read_json(os.path.join(self.dir, META_NAME),
                               f"restore it, or --load an earlier step of {os.path.dirname(self.dir)}")
         if self.meta.get("format") != FORMAT:

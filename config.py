@@ -270,11 +270,21 @@ def from_values(values, overrides=None):
 SAMPLE_FIELDS = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 
 
-def record_types(values, where):
-    """A run record's {field: value} (a checkpoint's config.json, `where`) whose values are not of their field's type
-    (a hand edit: "steps": "ten", "lr": null) -> ValueError naming each, else nothing."""
+# The fields added since checkpoints began to carry the whole Config (the run record): a record written before one
+# was added lacks it, and its default is what that version did (no W&B, no LatentMoE, no MTP, the layout's cp and
+# pp chosen, no video, a 300 s timeout). Every other field is in every record: none stands in for a run's value.
+LATER_FIELDS = ("wandb", "moe_latent_size", "num_nextn_predict_layers", "mtp_pattern", "mtp_depths", "mtp_loss_scale",
+                "lm_cp", "video_temporal_patch", "video_target_patches", "video_fps", "max_frames",
+                "collective_timeout", "lm_pp")
+
+
+def check_record(values, where):
+    """A run record's {field: value} (a checkpoint's config.json, `where`) that lacks fields (but LATER_FIELDS) or
+    whose values are not of their field's type (a hand edit: "steps": "ten", "lr": null) -> ValueError naming each,
+    else nothing."""
     kinds = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
-    wrong = []
+    missing = [f'"{k}"' for k in FIELDS if k not in values and k not in LATER_FIELDS]
+    wrong = [f"missing {', '.join(missing)} (no default stands in for the run's value)"] if missing else []
     for k, v in values.items():
         if k in SAMPLE_FIELDS:
             allowed, none = (int,), True

@@ -10,7 +10,10 @@ refused (_requeue); a run never saves over later steps.
 """
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 import checkpoint
 import config
@@ -41,7 +44,7 @@ def resolve(inv, given, world, say):
         return cfg, Start("fresh", tokenizer=cfg.tokenizer)
     if hf_interop.is_hf_dir(load):
         return _from_hf(load, given, say)
-    step_dir = call(checkpoint.resolve, load, say)
+    step_dir = call(checkpoint.pin, load, say)   # until set-up has read it (train.setup)
     record = call(checkpoint.saved_config, step_dir)
     meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
                 f"earlier step of {os.path.dirname(step_dir)}")
@@ -79,6 +82,27 @@ def resolve(inv, given, world, say):
         lineage.append(_real(load))
     start.tokenizer = _tokenizer(cfg, step_dir, given.get("tokenizer"), load)
     return cfg, start
+
+
+def agree(start):
+    """Every rank loads rank 0's step: each chose the newest before the ranks met (resolve), and a run still saving
+    into --load may have committed a step in between. Rank 0's stays pinned until every rank has loaded it."""
+    if not isinstance(start.load, str) or not dist.is_initialized():
+        return
+    chosen = [start.load]
+    dist.broadcast_object_list(chosen, 0)
+    if chosen[0] == start.load:
+        return
+    step_dir = call(checkpoint.pin, chosen[0])
+    if call(checkpoint.saved_config, step_dir) != call(checkpoint.saved_config, start.load):
+        raise SystemExit(f"{os.path.dirname(step_dir)} changed while this run started: rank 0 loads "
+                         f"{os.path.basename(step_dir)}, rank {dist.get_rank()} chose {os.path.basename(start.load)}, "
+                         "whose run record differs. Run the command again")
+    for name in ("tokenizer", "source"):   # the run's files: those of the step loaded
+        path = getattr(start, name)
+        if path is not None and path.startswith(start.load + os.sep):
+            setattr(start, name, step_dir + path[len(start.load):])
+    start.load = step_dir
 
 
 def _shown(field, value):
@@ -183,6 +207,39 @@ def write_run_files(step_dir, tokenizer, source):
         tokenizer.save(os.path.join(step_dir, checkpoint.TOKENIZER_DIR))
     if source is not None:
         hf_interop.copy_source(source, os.path.join(step_dir, checkpoint.SOURCE_DIR))
+
+
+def run_source(cfg, start):
+    """The HF files this run's next save copies (copy_source): those of its newest step in --save once it has them,
+    else Start.source (the HF directory, or those of the step it was loaded from: borrowed)."""
+    step_dir = checkpoint.newest(cfg.save)[0]
+    own = step_dir and os.path.join(step_dir, checkpoint.SOURCE_DIR)
+    return own if own and os.path.isdir(own) else start.source
+
+
+def borrowed(cfg, start):
+    """Whether this run's saves copy HF files from a step of another save directory until they have a copy of their
+    own (a branch or fine-tune of a run that may prune that step meanwhile: rank 0 keeps it pinned till then)."""
+    return start.kind in ("resume", "weights") and None not in (cfg.save, start.source) and \
+        not _inside(start.source, cfg.save)
+
+
+def run_file_names(tokenizer, source):
+    """The paths in a step directory that write_run_files writes (the Saver checks their length before step 1): the
+    tokenizer's copy as it saves itself (here into a temporary directory), the HF source's files copy_source links
+    and its carried tensors."""
+    names = []
+    if hasattr(tokenizer, "save"):
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save(tmp)
+            names += [os.path.join(checkpoint.TOKENIZER_DIR, os.path.relpath(os.path.join(d, f), tmp))
+                      for d, _, files in os.walk(tmp) for f in files]
+    if source is not None:
+        names += [os.path.join(checkpoint.SOURCE_DIR, n) for n in os.listdir(source) if os.path.isfile(
+            os.path.join(source, n)) and not hf_interop.WEIGHT_FILES.search(n)]
+        carried = os.path.exists(os.path.join(source, hf_interop.CARRIED_NAME))   # linked, else written (+ .tmp)
+        names.append(os.path.join(checkpoint.SOURCE_DIR, hf_interop.CARRIED_NAME + ("" if carried else ".tmp")))
+    return names
 
 
 def call(fn, *args, **kwargs):

@@ -41,6 +41,7 @@ import data
 import failsafe
 import init
 import layout
+import locks
 import logs
 import memory
 import mock
@@ -99,11 +100,11 @@ def main(argv=None):
     # one run at a time saves into a directory: rank 0 holds it from before the requeue reads it to the run's end
     holds, line = rank == 0 and not (inv.dry_run or inv.eval_only), shlex.join(
         ["train.py", *(sys.argv[1:] if argv is None else argv)])
-    held = [checkpoint.hold(given["save"], line)] if holds and given.get("save") else []
+    held = [locks.hold(given["save"], line)] if holds and given.get("save") else []
     try:
         cfg, start = resume.resolve(inv, given, world, say)
         if holds and cfg.save and not held:   # --load CKPT saves on into its directory
-            held.append(checkpoint.hold(cfg.save, line))
+            held.append(locks.hold(cfg.save, line))
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if torch.cuda.is_available() else \
             torch.device("cpu")
         if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built
@@ -125,6 +126,7 @@ def main(argv=None):
         finally:
             watchdog.stop()
     finally:
+        locks.unpin()
         for h in held:
             h.release()
     if run.own_group:
@@ -146,6 +148,7 @@ def setup(cfg, inv, start, device, say):
                                    {"init_method": f"file://{tempfile.mkdtemp()}/store"}))
     watchdog.start(cfg.collective_timeout)   # set-up may take watchdog.FIRST times it
     try:   # a refused layout leaves no process group behind (tests call main() in their process)
+        comm.on_every_rank(resume.agree, start)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
         capacity, load = memory.capacity(device), data.tower_load(train_data, cfg)
@@ -199,6 +202,8 @@ def setup(cfg, inv, start, device, say):
     if start.kind == "resume" and rank == 0 and not inv.eval_only:
         optim.schedule_change(cfg, checkpoint.saved_config(start.load), run.counters,
                                  f"--load {inv.load}" if inv.load else f"--save {cfg.save}")   # (a requeue)
+    if rank != 0 or inv.eval_only or not resume.borrowed(cfg, start):   # else till its saves have their own copy
+        locks.unpin()   # read: a run still saving there may prune it (and this run's own saves may)
     return run
 
 
@@ -393,8 +398,15 @@ def train(run, stop):
     """The steps from run.counters["step"] to --steps, evaluations, checkpoints -> history (one dict per step).
     `stop`: failsafe.Stop (a signal ends the run at a micro-batch boundary, saving the last completed step)."""
     cfg, start = run.cfg, run.start
-    saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, lambda d: \
-        resume.write_run_files(d, run.tokenizer, start.source)) if cfg.save else None   # checks --save is writable
+
+    def run_files(step_dir):   # rank 0, before the step is committed
+        source = resume.run_source(cfg, start)
+        if source != start.source:   # the run's own copy: the step it was loaded from may go (resume.borrowed)
+            locks.unpin()
+        resume.write_run_files(step_dir, run.tokenizer, source)
+    saver = checkpoint.Saver(cfg, run.par, run.modules, run.opt, run.train_loader, start.lineage, run_files, lambda:
+                             resume.run_file_names(run.tokenizer, resume.run_source(cfg, start))) \
+        if cfg.save else None   # checks --save is writable, its paths fit
     log = logs.Log(cfg, run.log_rank, run.counters["step"])
     if run.log_rank:
         summaries = [logs.data_summary("train", run.train_data)]

@@ -189,6 +189,74 @@ def test_unwritable_save_directory_is_refused_before_step_1(tmp_path):
                   "writable directory (every rank writes into it)", msg
 
 
+def _deep(root, size):
+    """A path below directory `root` of `size` bytes (ASCII), in components of at most 101."""
+    path = str(root)
+    while size - len(path) > 102:
+        path += "/" + "d" * 100
+    rest = size - len(path)
+    if rest == 1:   # no room for "/" and a name: one byte off the last component
+        path, rest = path[:-1], 2
+    return path + ("/" + "d" * (rest - 1) if rest else "")
+
+
+def test_a_save_path_over_the_file_system_s_limit_is_refused_before_step_1(tmp_path):
+    """A --save whose checkpoint paths would pass PATH_MAX: one line before step 1, naming the longest and the
+    longest --save that fits, which does (it was a FAILED checkpoint after the first steps); nothing is left."""
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX") - 1
+    save = _deep(tmp_path / "over", limit - 30)
+    (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
+    said = re.fullmatch(rf"--save {re.escape(save)}: a checkpoint writes step_00000001/(\S+) there, a path of (\d+) "
+                        rf"bytes, but its file system allows {limit}\. Choose a --save whose absolute path has at most "
+                        r"(\d+) bytes", msg)
+    assert said and int(said[2]) > limit and said[1] == "model.language.ep0-etp0.safetensors.tmp", msg
+    assert os.listdir(tmp_path) == []   # the directories it made for --save: gone
+    fit = int(said[3])
+    (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", _deep(tmp_path / "over", fit + 1)])
+    assert isinstance(msg, str) and msg.endswith(f"at most {fit} bytes"), msg
+    (done,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", _deep(tmp_path / "fits", fit)])
+    assert [h["step"] for h in done[0]] == [1] and latest(_deep(tmp_path / "fits", fit)) == "step_00000001"
+
+
+def _name_max_30(rank, world, argv):
+    """_train on a file system whose names are at most 30 bytes (os.pathconf says so)."""
+    pathconf = os.pathconf
+    os.pathconf = lambda path, name: 30 if name == "PC_NAME_MAX" else pathconf(path, name)
+    return _train(rank, world, argv)
+
+
+def test_a_save_file_name_over_the_file_system_s_limit_is_refused_before_step_1(tmp_path):
+    save = str(tmp_path / "ckpt")
+    (msg,) = run_distributed(_name_max_30, 1, TINY + ["--steps", "1", "--save", save])
+    assert msg == f"--save {save}: a checkpoint writes model.language.ep0-etp0.safetensors.tmp, a name of 39 bytes, " \
+                  "but its file system allows 30. Choose a --save on another file system", msg
+
+
+class _Tokenizer:
+    def save(self, out):   # as transformers' save_pretrained: a directory of files, one in a subdirectory
+        os.makedirs(os.path.join(out, "additional_chat_templates"))
+        for name in ("tokenizer.json", "tokenizer_config.json", "additional_chat_templates/tool_use.jinja"):
+            open(os.path.join(out, name), "w").write("{}")
+
+
+def test_the_length_check_knows_the_run_files_a_save_writes(tmp_path):
+    """resume.run_file_names, which the start-up check measures too, are the paths write_run_files writes in a step
+    directory: the tokenizer's copy, the HF source's files but its weights, its carried tensors."""
+    import resume
+    from safetensors.torch import save_file
+    source = tmp_path / "hf"
+    source.mkdir()
+    for name in ("config.json", "a_processor_config_of_a_long_name.json"):
+        (source / name).write_text("{}")
+    save_file({"language_model.w": torch.zeros(1)}, str(source / "model.safetensors"))
+    names = resume.run_file_names(_Tokenizer(), str(source))
+    resume.write_run_files(str(tmp_path / "step"), _Tokenizer(), str(source))
+    written = {os.path.relpath(os.path.join(d, f), tmp_path / "step") for d, _, files in os.walk(tmp_path / "step")
+               for f in files}
+    assert {n.removesuffix(".tmp") for n in names} == written and "source/carried.safetensors.tmp" in names
+    assert "source/a_processor_config_of_a_long_name.json" in written and "source/model.safetensors" not in written
+
+
 # ---------------------------------------------------------------- requeue
 
 @pytest.mark.slow

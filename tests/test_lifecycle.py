@@ -137,6 +137,41 @@ def test_fine_tune_life(source, tmp_path, capfd):
     assert type(transformers.AutoProcessor.from_pretrained(out)).__name__ == PROCESSOR["processor_class"]
 
 
+def _branch_while_its_source_prunes(rank, world, argv, live):
+    """_train(argv) of a branch whose first save waits for the run it branched from (`live`, --keep-last 1) to save
+    and prune first: after this run's set-up, before it copies the HF files of the step it was loaded from."""
+    import resume
+    write, calls = resume.write_run_files, []
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+    def live_run_first(*args):
+        if not calls:
+            calls.append(subprocess.run(live, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL))
+        return write(*args)
+    resume.write_run_files = live_run_first
+    return _train(rank, world, argv)
+
+
+@pytest.mark.slow
+def test_the_hf_files_survive_keep_last_and_a_branch_of_a_run_that_prunes(source, tmp_path):
+    """A run from an HF directory carries its files (processor configs ...) in every step: resumed with --keep-last 1
+    (the third save copied from a pruned step: FileNotFoundError), and in a branch whose source run prunes the step
+    it was loaded from before the branch's first save (it stays pinned until the branch has a copy of its own)."""
+    hf, chat, _ = source
+    save, branch = str(tmp_path / "run"), str(tmp_path / "branch")
+    run_distributed(_train, 1, ["--load", hf, "--preset", "tiny", "--data", chat, "--global-batch", "4", "--steps",
+                                "1", "--save", save])
+    (resumed,) = run_distributed(_train, 1, ["--load", save, "--steps", "3", "--save-every", "1", "--keep-last", "1"])
+    assert not isinstance(resumed, str) and sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000003"]
+    live = [sys.executable, "train.py", "--load", save, "--steps", "4"]
+    (branched,) = run_distributed(_branch_while_its_source_prunes, 1, ["--load", save, "--steps", "5", "--save",
+                                                                        branch, "--keep-last", "0"], live)
+    assert not isinstance(branched, str), branched
+    assert sorted(os.listdir(save)) == ["latest", "run_config.json", "step_00000003", "step_00000004"]   # pinned
+    for step_dir in (f"{save}/step_00000004", f"{branch}/step_00000004", f"{branch}/step_00000005"):
+        assert json.load(open(os.path.join(step_dir, "source", "processor_config.json"))) == PROCESSOR, step_dir
+
+
 @pytest.mark.slow
 def test_import_hf_command_runs(source, tmp_path, capfd):
     """import-hf prints the fine-tune line with placeholders for the data and the save directory: filled in, it

@@ -8,18 +8,23 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 import checkpoint
 import hf_interop
+import locks
 import radio
 from tests.spawn import run_distributed
 from tests.test_failsafe import _train, latest
 from tests.test_hf import build_lm, full
 
 TINY = ["--preset", "tiny", "--global-batch", "2", "--lr-decay-iters", "6"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tree(root):
@@ -161,15 +166,15 @@ def test_import_refuses_a_checkpoint_and_a_non_empty_out(small, run4, tmp_path):
 
 def test_hold_refuses_a_second_holder_and_releases(tmp_path):
     save = str(tmp_path / "run")
-    held = checkpoint.hold(save, "train.py --save run")
+    held = locks.hold(save, "train.py --save run")
     with pytest.raises(SystemExit) as e:
-        checkpoint.hold(save, "train.py --other")
+        locks.hold(save, "train.py --other")
     assert re.fullmatch(rf"--save {save} is in use by another run \(pid {os.getpid()} on host "
                         rf"{re.escape(socket.gethostname())} since \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: train\.py --save "
                         r"run\)\. Wait for it to end, or choose another --save", str(e.value)), str(e.value)
     held.release()
-    assert os.listdir(save) == []   # a run that ends leaves nothing behind
-    checkpoint.hold(save, "again").release()
+    assert not os.path.exists(save)   # a run that ends leaves nothing behind: nor the directory it created for nothing
+    locks.hold(save, "again").release()
 
 
 def test_a_killed_holder_leaves_no_lock(tmp_path):
@@ -178,7 +183,7 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
     pid = os.fork()
     if pid == 0:   # the first run: holds the directory, then is killed with SIGKILL (no clean-up runs)
         try:
-            checkpoint.hold(save, "first")
+            locks.hold(save, "first")
             os.write(go, b"1")
             signal.pause()
         finally:
@@ -186,24 +191,113 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
     os.close(go)
     assert os.read(ready, 1) == b"1"
     with pytest.raises(SystemExit, match=rf"in use by another run \(pid {pid} on host .*: first\)"):
-        checkpoint.hold(save, "second")
+        locks.hold(save, "second")
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    checkpoint.hold(save, "second").release()
+    locks.hold(save, "second").release()
 
 
 def test_a_second_run_on_one_save_is_refused(tmp_path):
     """train.main takes the hold (rank 0, before it reads --save): here another holder is this test process."""
     save = str(tmp_path / "run")
-    held = checkpoint.hold(save, "the other run")
+    held = locks.hold(save, "the other run")
     try:
         (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
+        assert os.listdir(save) == [".lock"]   # the holder's: the refused run wrote nothing
     finally:
         held.release()
     assert isinstance(msg, str) and msg.startswith(f"--save {save} is in use by another run (pid {os.getpid()} "), msg
-    assert os.listdir(save) == []
     (done,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save])
     assert len(done[0]) == 1 and ".lock" not in os.listdir(save)
+
+
+def test_a_refused_run_leaves_no_save_directory_behind(tmp_path):
+    """A run refused by a user error, or failing before it writes into --save, removes the directories it created
+    for it (they were left empty); a directory that was there stays, and so does what is in one."""
+    new = str(tmp_path / "runs" / "a" / "b")
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    for save in (new, str(kept), str(kept / "new")):
+        for bad in (["--load", str(tmp_path / "nowhere")], ["--data", str(tmp_path / "none.jsonl")],
+                    ["--lm-tp", "3"]):
+            (msg,) = run_distributed(_train, 1, TINY + ["--steps", "1", "--save", save, *bad])
+            assert isinstance(msg, str), msg
+            assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(kept) == ["notes.txt"], (save, bad)
+
+
+# ---------------------------------------------------------------- readers of a run that is still saving
+
+def _after_the_choice(then):
+    """checkpoint.saved_config calls then() once, before its first read: the reader has chosen its step (resume.py
+    reads the run record of the step it chose first). In this forked child only."""
+    read, calls = checkpoint.saved_config, []
+
+    def first_then(path, *args, **kwargs):
+        if not calls:
+            calls.append(path)
+            then()
+        return read(path, *args, **kwargs)
+    checkpoint.saved_config = first_then
+
+
+def _read_while_the_run_prunes(rank, world, argv, save):
+    """train.main(argv) reading --load `save` while the run that saves there goes on: between this reader's choice
+    of the newest step and its reads, that run (`python train.py`) saves its next step and prunes (--keep-last 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                              "MASTER_ADDR", "MASTER_PORT")}
+    _after_the_choice(lambda: subprocess.run([sys.executable, "train.py", "--load", save, "--steps", "5",
+                                              "--keep-last", "1"], cwd=ROOT, env=env, check=True,
+                                             stdout=subprocess.DEVNULL))
+    return _train(rank, world, argv)
+
+
+@pytest.mark.parametrize("line", ["eval", "branch"])
+def test_a_reader_of_a_run_that_prunes_reads_the_step_it_chose(run4, tmp_path, capfd, line):
+    """--eval-only --load D, or a branch --load D --save B, while D's run saves with --keep-last 1: the step the
+    reader chose is pinned, so that run's pruning leaves it for a later save (it failed: `step_00000004/meta.json:
+    missing`, or a safetensors file missing, read half deleted)."""
+    d = copy(run4, tmp_path / "D")
+    argv = {"eval": ["--eval-only", "--load", d], "branch": ["--load", d, "--steps", "5", "--save",
+                                                            str(tmp_path / "B")]}[line]
+    (result,) = run_distributed(_read_while_the_run_prunes, 1, argv, d)
+    assert not isinstance(result, str), result
+    assert f"checkpoint: loaded {d}/step_00000004 (step 4)" in capfd.readouterr().out
+    assert len(result[0]) == 1 and ("eval_loss" in result[0][0] if line == "eval" else result[0][0]["step"] == 5)
+    # its run pruned steps 1-3, kept the pinned one, and leaves nothing aside; with the reader gone, it goes
+    assert sorted(os.listdir(d)) == ["latest", "run_config.json", "step_00000004", "step_00000005"]
+    locks.prune(d, ["step_00000004"])
+    assert sorted(os.listdir(d)) == ["latest", "run_config.json", "step_00000005"]
+
+
+def _ranks_meet_a_new_step(rank, world, argv, step4, save, marker):
+    """Rank 0 chooses step 3, the newest; then the run saving into `save` commits step 4 (`step4`, kept aside),
+    and only then does rank 1 choose."""
+    if rank == 0:
+        _after_the_choice(lambda: open(marker, "w").close())
+    else:
+        while not os.path.exists(marker):
+            time.sleep(0.05)
+        os.rename(step4, os.path.join(save, "step_00000004"))
+        checkpoint.write_atomic(os.path.join(save, "latest"), "step_00000004\n")
+    out = _train(rank, world, argv)
+    return out if isinstance(out, str) else out[1]
+
+
+def test_every_rank_loads_rank_0s_step(run4, tmp_path):
+    """Ranks that chose different steps of a run still saving (one committed between their choices) all load rank
+    0's (rank 1 loaded step 4, rank 0 step 3)."""
+    d = copy(run4, tmp_path / "D")
+    step4 = str(tmp_path / "step4")
+    os.rename(os.path.join(d, "step_00000004"), step4)
+    checkpoint.write_atomic(os.path.join(d, "latest"), "step_00000003\n")
+    ranks = run_distributed(_ranks_meet_a_new_step, 2, ["--eval-only", "--load", d], step4, d,
+                            str(tmp_path / "chosen"))
+    three, four = (checkpoint.load_model(os.path.join(d, s))[1] for s in ("step_00000003", "step_00000004"))
+    for weights in ranks:
+        assert not isinstance(weights, str), weights
+        assert weights and all(torch.equal(t, three[k]) for k, t in weights.items())
+    assert any(not torch.equal(t, four[k]) for weights in ranks for k, t in weights.items())
 
 
 # ---------------------------------------------------------------- branches
@@ -332,3 +426,23 @@ def test_a_hand_edited_run_record_of_the_wrong_types_is_one_line(run4, tmp_path,
     json.dump(dict(json.load(open(record)), **edit), open(record, "w"))
     (msg,) = run_distributed(_train, 1, ["--load", d, "--steps", "5"])
     assert msg.startswith(f"{record}: {said}; correct the file (it is the run's record)"), msg
+
+
+def test_a_run_record_missing_a_field_is_one_line(run4, tmp_path):
+    """A field deleted from a config.json by hand: one line naming it (the run resumed at the default seq_len 8192,
+    its own was 96, and saved that on; a missing hidden_size was a shape mismatch against 2688). A field added since
+    runs were first recorded (config.LATER_FIELDS) may be absent, as in a record of an earlier version: the run
+    resumes, and its next record holds every field."""
+    def resume(drop):
+        d = copy(run4, tmp_path / "-".join(drop))
+        record = os.path.join(d, "step_00000004", "config.json")
+        json.dump({k: v for k, v in json.load(open(record)).items() if k not in drop}, open(record, "w"))
+        return d, record, run_distributed(_train, 1, ["--load", d, "--steps", "5"])[0]
+    for drop, said in ((["seq_len"], '"seq_len"'), (["seq_len", "hidden_size", "lm_pp"], '"hidden_size", "seq_len"')):
+        _, record, msg = resume(drop)
+        assert msg == f"{record}: missing {said} (no default stands in for the run's value); correct the file (it " \
+                      "is the run's record). Check --load (a save directory or DIR/step_N of a run of this model)"
+    d, _, (history, _) = resume(["lm_pp", "video_fps", "collective_timeout"])
+    assert [h["step"] for h in history] == [5]
+    assert json.load(open(os.path.join(d, "step_00000005", "config.json"))).keys() == \
+        json.load(open(os.path.join(d, "step_00000003", "config.json"))).keys()

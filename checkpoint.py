@@ -3,6 +3,7 @@ training (sharded) and by the offline tools (full tensors: save_model; hf_intero
 
   DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
   DIR/.lock              while a run saves here: its flock and a line naming it (locks.hold); removed when it ends
+  DIR/.pruning.step_N    a step --keep-last is deleting, renamed aside first (locks.prune)
   DIR/step_00000006/
     model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
                          and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts, after

@@ -200,7 +200,8 @@ def write(out_dir, records=None, seed=0, small=False, processes=None, verbose=Fa
         done = [_image(j) for j in jobs]
     else:
         order = sorted(range(len(jobs)), key=lambda j: -jobs[j][2] * jobs[j][3])   # the largest first
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
+        # spawned, not forked: a fork of a process running threads (torch's, a test session's) can hang in the child
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
             done = list(pool.imap_unordered(_image, [jobs[j] for j in order], chunksize=4))
     if verbose:
         per = {k: sum(r["id"].startswith(k + "-") for r in recs) for k in KINDS}

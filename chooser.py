@@ -132,7 +132,8 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None):
     else:
         lay = min(plans, key=lambda c: memory.required(plans[c]))
         why = (f"no layout of preset {cfg.preset} on {world} rank{'s' * (world > 1)} fits "
-               f"{memory.figure(capacity / memory.GIB, 1)} GiB per rank (the closest: {lay.describe()} needs {memory.fits(plans[lay], capacity)}). "
+               f"{memory.figure(capacity / memory.GIB, 1)} GiB per rank (the closest: {lay.describe()} needs "
+               f"{memory.fits(plans[lay], capacity)}). "
                f"{remedy(cfg, world, capacity, cuda, load)}; `--dry-run --world-size N` shows the plan")
         if strict:
             raise SystemExit(why)

@@ -17,11 +17,11 @@ only each layer's input plus one layer's worth during its recompute. MoE assumes
 a rank). Context parallelism adds attention's whole-row K and V and the largest exchange's buffers (docs/cp.md).
 Pipeline stages (model.stage_layers): a stage holds its layers' parameters (the first the embedding, the last
 norm_f, lm_head and MTP), its dp and edp domains are its own, and 1F1B keeps several micro-batches' activations
-(plan()). Peak = weights + gradients + optimizer + activations + cuBLAS' workspaces (the distributed optimizer's fp32 gradient buffers
-are persistent; plain AdamW's gradients live from the first backward to the step, across all micro-batches).
-Set-up, apart (docs/memory.md §5): the weights plus one full-size fp32 draw of the largest language parameter (the
-tower and the adapters are drawn on the CPU); optim.build's buffers and main weights come after the draw is freed,
-in the training peak. Checked on the GPU by bench/memory_check.py and tests/test_gpu.py.
+(plan()). Peak = weights + gradients + optimizer + activations + cuBLAS' workspaces (the distributed optimizer's
+fp32 gradient buffers are persistent; plain AdamW's gradients live from the first backward to the step, across all
+micro-batches). Set-up, apart (docs/memory.md §5): the weights plus one full-size fp32 draw of the largest language
+parameter (the tower and the adapters are drawn on the CPU); optim.build's buffers and main weights come after the
+draw is freed, in the training peak. Checked on the GPU by bench/memory_check.py and tests/test_gpu.py.
 """
 import json
 import os

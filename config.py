@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 def _f(default, help=None, **meta):
     """A field with its --help text (and `choices`) for the command line, and where it has one its role (ROLES):
-    what a checkpoint and a resumed run make of it."""
+    what a checkpoint and a resumed run make of it; later=True: added after run records began (LATER_FIELDS)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -46,14 +46,16 @@ class Config:
     moe_intermediate_size: int = _f(1856, role="language")
     moe_shared_expert_intermediate_size: int = _f(3712, role="language")
     moe_latent_size: int | None = _f(None, "LatentMoE: routed experts run in this width (fc1 / fc2_latent_proj around "
-                                     "them); None: the hidden size, no projections", role="language")
+                                     "them); None: the hidden size, no projections", role="language", later=True)
     intermediate_size: int = _f(1856, "dense '-' MLP width", role="language")
     routed_scaling_factor: float = _f(2.5, role="language")
     num_nextn_predict_layers: int = _f(0, "multi-token prediction blocks (their weights); depth k runs block (k-1) mod "
-                                       "this (docs/super.md §3)", role="language")
-    mtp_pattern: str = _f("*E", "the layers of one MTP block (HF mtp_layers_block_type)", role="language")
-    mtp_depths: int | None = _f(None, "MTP depths trained (default: num_nextn_predict_layers; more: blocks shared)")
-    mtp_loss_scale: float = _f(0.1, "weight of the MTP loss, the mean over depths (Megatron's 0.1; Super trains 0.3)")
+                                       "this (docs/super.md §3)", role="language", later=True)
+    mtp_pattern: str = _f("*E", "the layers of one MTP block (HF mtp_layers_block_type)", role="language", later=True)
+    mtp_depths: int | None = _f(None, "MTP depths trained (default: num_nextn_predict_layers; more: blocks shared)",
+                                later=True)
+    mtp_loss_scale: float = _f(0.1, "weight of the MTP loss, the mean over depths (Megatron's 0.1; Super trains 0.3)",
+                               later=True)
     norm_eps: float = _f(1e-5, role="language")
     init_std: float = _f(0.0173, "Megatron recipes' init std, not HF's 0.02", role="language")
     moe_aux_loss_coeff: float = _f(1e-4, "seq_aux_loss")
@@ -74,11 +76,12 @@ class Config:
     max_num_patches: int = 13312
     image_token_id: int = _f(511, role="model")
     video_temporal_patch: int = _f(0, "frames per video tubelet of the tower's video embedder (Nano Omni: 2; "
-                                   "0: no video embedder, images only); docs/vision.md §11", role="vision")
+                                   "0: no video embedder, images only); docs/vision.md §11", role="vision", later=True)
     video_target_patches: int = _f(1024, "a video frame's fixed canvas, in patches (its aspect kept): "
-                                   "transformers' video_target_num_patches")
-    video_fps: float = _f(0.0, "sample a video at this many frames per second of its own time (0: every frame)")
-    max_frames: int = _f(0, "at most this many frames of a video, sampled evenly over it (0: no limit)")
+                                   "transformers' video_target_num_patches", later=True)
+    video_fps: float = _f(0.0, "sample a video at this many frames per second of its own time (0: every frame)",
+                          later=True)
+    max_frames: int = _f(0, "at most this many frames of a video, sampled evenly over it (0: no limit)", later=True)
     # ---- data ----
     seq_len: int = 8192
     data: str = _f("mock", "mock | PATH (.jsonl, .json, .parquet, dir, glob) | weighted blend "
@@ -126,7 +129,8 @@ class Config:
                                  "get the same rows (the routers of published throughputs)")
     max_skipped_steps: int = _f(10, "abort after this many consecutive non-finite steps (0: never)")
     collective_timeout: float = _f(300.0, "seconds the ranks may wait on each other before the run ends with a line "
-                                   "naming the wait (set-up, the first step and evaluation: 4 times it; watchdog.py)")
+                                   "naming the wait (set-up, the first step and evaluation: 4 times it; watchdog.py)",
+                                   later=True)
     # ---- layout (None: chosen, chooser.py) ----
     vision_tp: int | None = _f(None, role="layout")
     vision_dp: int | None = _f(None, role="layout")
@@ -135,9 +139,9 @@ class Config:
     lm_ep: int | None = _f(None, role="layout")
     lm_etp: int | None = _f(None, role="layout")
     lm_cp: int | None = _f(None, "context parallel: each language rank of a lane holds 1/N of every sequence (cp.py)",
-                           role="layout")
+                           role="layout", later=True)
     lm_pp: int | None = _f(None, "pipeline parallel: the language model's layers in N stages (docs/pipeline.md)",
-                           role="layout")
+                           role="layout", later=True)
     colocated: bool | None = _f(None, "both modules on every rank", role="layout")
     # ---- logging ----
     log_every: int = 1
@@ -145,7 +149,7 @@ class Config:
     moe_stats_every: int = 10
     tensorboard: str | None = _f(None, "TensorBoard log directory (pip install -e '.[tensorboard]')")
     wandb: str | None = _f(None, "Weights & Biases project (pip install -e '.[wandb]'; WANDB_MODE=offline works "
-                           "without a network)")
+                           "without a network)", later=True)
     eval_every: int = 0
     eval_samples: int | None = _f(None, "an evaluation scores the first N eval samples; default: the whole eval data "
                                   "(32 of mock data)")
@@ -270,12 +274,11 @@ def from_values(values, overrides=None):
 SAMPLE_FIELDS = ("train_samples", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples")
 
 
-# The fields added since checkpoints began to carry the whole Config (the run record): a record written before one
-# was added lacks it, and its default is what that version did (no W&B, no LatentMoE, no MTP, the layout's cp and
-# pp chosen, no video, a 300 s timeout). Every other field is in every record: none stands in for a run's value.
-LATER_FIELDS = ("wandb", "moe_latent_size", "num_nextn_predict_layers", "mtp_pattern", "mtp_depths", "mtp_loss_scale",
-                "lm_cp", "video_temporal_patch", "video_target_patches", "video_fps", "max_frames",
-                "collective_timeout", "lm_pp")
+# The fields added since checkpoints began to carry the whole Config (the run record) say so (later=True): a record
+# written before one was added lacks it, and its default is what that version did (no W&B, no LatentMoE, no MTP,
+# the layout's cp and pp chosen, no video, a 300 s timeout). A field added from now on says later=True too. Every
+# other field is in every record: none stands in for a run's value.
+LATER_FIELDS = tuple(name for name, f in FIELDS.items() if f.metadata.get("later"))
 
 
 def check_record(values, where):

@@ -392,3 +392,8 @@ def test_the_field_lists_are_what_the_fields_say():
     assert config.LAYOUT_FIELDS == ("vision_tp", "vision_dp", "lm_tp", "lm_dp", "lm_ep", "lm_etp", "lm_cp", "lm_pp",
                                     "colocated")
     assert {"mtp_depths", "mtp_loss_scale", "min_num_patches", "seq_len", "steps"}.isdisjoint(config.FIXED_ON_RESUME)
+    # fields a record of an earlier version may lack (later=True): the 13 added since records began
+    assert set(config.LATER_FIELDS) == {"wandb", "moe_latent_size", "num_nextn_predict_layers", "mtp_pattern",
+                                        "mtp_depths", "mtp_loss_scale", "lm_cp", "video_temporal_patch",
+                                        "video_target_patches", "video_fps", "max_frames", "collective_timeout",
+                                        "lm_pp"}

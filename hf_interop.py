@@ -582,7 +582,9 @@ def _check_out(cmd, out, overwrite):
 def _staged(out, write):
     """write(a new directory inside `out`) -> its result; what it wrote then replaces the entries of those names in
     `out` (never written into: a file may be a checkpoint's hard link), and an earlier export's shards or index the
-    new weights do not replace are dropped (a loader would pick them up). A failed write changes no file in `out`."""
+    new weights do not replace are dropped (a loader would pick them up). A failed write changes no file in `out`, and
+    leaves no `out` it made."""
+    made = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
         stage = tempfile.mkdtemp(prefix=".writing-", dir=out)
@@ -601,6 +603,8 @@ def _staged(out, write):
         return result
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        if made and not os.listdir(out):
+            os.rmdir(out)
 
 
 def cli(argv=None):

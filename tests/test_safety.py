@@ -134,6 +134,23 @@ def test_export_over_the_hf_directory_a_run_came_from_keeps_the_checkpoint(small
     assert json.loads((hf / "processor_config.json").read_text()) == {"processor_class": "P"}
 
 
+def test_a_failed_export_leaves_no_out_directory_it_made(tmp_path):
+    """Issue 53, friction 10: an export that fails while writing removes the --out it created; one that was there
+    stays, with what it held."""
+    def failing(stage):
+        open(os.path.join(stage, "model.safetensors"), "w").write("part")
+        raise OSError("No space left on device")
+    out = tmp_path / "new" / "hf"
+    with pytest.raises(OSError):
+        hf_interop._staged(str(out), failing)
+    assert not out.exists()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "README.md").write_text("kept")
+    with pytest.raises(OSError):
+        hf_interop._staged(str(tmp_path / "old"), failing)
+    assert [p.name for p in (tmp_path / "old").iterdir()] == ["README.md"]
+
+
 def test_export_errors_are_one_line_exit_2(small, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     out = str(tmp_path / "file" / "hf")   # below a regular file: nobody can write there, not even root

@@ -160,7 +160,8 @@ def language_activation_bytes(cfg, lay, stage=0):
     r = model.stage_layers(cfg, lay.lm_pp, lay.lm_split)[stage]
     pattern, mtp = cfg.hybrid_override_pattern[r.start:r.stop], model.mtp_depths(cfg)
     depths = mtp if last else 0      # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
-    layers = [block + mixer[k] for k in pattern + cfg.mtp_pattern * depths]
+    # a kind the plan does not know (a fork's new layer): estimated as the largest known kind's, never a KeyError
+    layers = [block + mixer.get(k, max(mixer.values())) for k in pattern + cfg.mtp_pattern * depths]
     kept = len(layers) * 2 * T * D if checkpointing else sum(layers)   # checkpointing: each layer's input, and
     recompute = max(layers) if checkpointing else 0                    # the one being recomputed
     # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V

@@ -347,3 +347,15 @@ def test_tiny_figures_are_not_printed_as_zero(capsys):
     out = capsys.readouterr().out
     weights = next(line for line in out.splitlines() if line.split()[:1] == ["language"]).split()[2]
     assert float(weights) > 0 and "predicted on Hopper GPUs (cost.py): 0.00 s" not in out, out
+
+
+def test_a_layer_kind_the_plan_does_not_know_is_estimated():
+    """Issue 54: a fork's new pattern character (here G, past config.check) is planned as the largest known kind's
+    activations (tiny's: the MoE layer's) instead of a KeyError inside the plan before any run starts."""
+    import dataclasses
+    tiny = config.resolve("tiny")
+    lay = layout.Layout(world=1, colocated=True, vision_tp=1, vision_dp=1, lm_tp=1, lm_dp=1, lm_ep=1, lm_etp=1,
+                        micro_batch=1, global_batch=8)
+    new = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*GM-E"), lay)["language"]
+    moe = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*EM-E"), lay)["language"]
+    assert new["activations"] == moe["activations"] == 1301504

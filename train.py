@@ -114,14 +114,16 @@ def main(argv=None):
             return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay), load)
         if any(getattr(cfg, k) is not None for k in config.LAYOUT_FIELDS):
             layout.plan(cfg, world)   # grid flags that name no valid layout: refused before the ranks meet
+        run = None
         try:   # the watchdog (started in setup) ends a stuck run; it stops with main, however main ends
             run = setup(cfg, inv, start, device, say)
             # signals from here on: every rank stops at the same micro-batch boundary (failsafe.py)
             stop = failsafe.Stop(device, watchdog.backstop(cfg.collective_timeout))
             history = evaluate_only(run, stop) if inv.eval_only else train(run, stop)
         except torch.OutOfMemoryError as e:   # its line (cli.fail) names the plan and what would fit
-            e.args = (f"{str(e).splitlines()[0]} [{run.planned}: more ranks, --activation-checkpointing, or the "
-                      "layout `--dry-run --world-size N` picks without grid flags]",)
+            if run is not None:   # (set-up's own peak is planned apart: its line says the allocator's words)
+                e.args = (f"{str(e).splitlines()[0]} [{run.planned}: more ranks, --activation-checkpointing, or "
+                          "the layout `--dry-run --world-size N` picks without grid flags]",)
             raise
         finally:
             watchdog.stop()

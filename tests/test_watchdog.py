@@ -271,6 +271,24 @@ def test_an_out_of_memory_error_names_the_plan_and_what_would_fit(tmp_path):
     assert status != 0 and "more of it" not in line, (status, out[-3000:])
 
 
+@pytest.mark.slow
+def test_an_out_of_memory_error_in_set_up_is_its_own_line(tmp_path):
+    """Out of memory while the models are built (before the run exists to name its plan): the allocator's words,
+    not an error of the error handling."""
+    patch = """import torch, init
+build = init.build
+def failing(*a, **k):
+    if rank == "1":
+        open(marker + "failed", "w").write(repr(time.time()))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+    return build(*a, **k)
+init.build = failing"""
+    world, flags, _ = LAYOUTS["hetero"]
+    status, out, _ = run_failing(tmp_path, world, TINY + flags, patch, OMP_NUM_THREADS="1")
+    assert_one_failure_line(out, 1, "[^:]+", r"OutOfMemoryError: CUDA out of memory\. Tried to allocate 4\.00 GiB\.")
+    assert status != 0 and "UnboundLocalError" not in out, out[-3000:]
+
+
 def _python_ranks(script, world):
     """`python script` on `world` ranks without torchrun (env://: rank 0 hosts the store) -> their processes."""
     with socket.socket() as s:

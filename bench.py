@@ -18,7 +18,7 @@ Parts (each: burn-in, then synchronised timing of --iters iterations, bf16 autoc
           overhead on the language step, with images / text-only - 1.
   --vs-hf the same language config through transformers' NemotronHForCausalLM (bf16, SDPA, grouped_mm experts,
           mamba kernels), in the same process: both figures and the ratio.
-FLOPs come from model.lm_flops_per_token / vision_flops (formulas in model.py). The last line is one JSON object;
+FLOPs come from model.lm_flops_per_token / radio.flops. The last line is one JSON object;
 --out FILE also writes a dated markdown report.
 """
 import argparse
@@ -39,6 +39,7 @@ import logs
 import model
 import optim
 import parallel
+import radio
 from radio import VisionModel
 import train
 
@@ -201,7 +202,7 @@ def bench_layer(kind, cfg, args, dev, peak):
         flops = 6 * T * (k * 2 * D * F_ + 2 * D * Fs + D * cfg.n_routed_experts)
     else:
         flops = T * (6 * sum(p.numel() for n, p in layer.named_parameters() if "proj" in n)
-                     + model.ssd_flops_per_token(cfg))
+                     + model.kind_facts(cfg, "M", cfg.seq_len)["flops"])
     out = figures("moe" if kind == "E" else "mamba", dt, mem, flops, T, peak)
     if kind == "E" and dev.type == "cuda":  # the routed FLOPs as two plain bf16 GEMMs (no activation): the ceiling
         a = torch.randn(T * k, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -238,7 +239,7 @@ def bench_vision(cfg, args, dev, peak):
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     if args.profile:
         profile(fwd_bwd, "vision")
-    out = figures("vision", dt, mem, model.vision_flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
+    out = figures("vision", dt, mem, radio.flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
     return out
 
 

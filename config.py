@@ -407,18 +407,21 @@ RANGES = [
 ]
 POSITIVE = ("lora_alpha", "norm_eps", "init_std", "routed_scaling_factor")   # finite and > 0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-# The sizes of one kind of layer (a hybrid_override_pattern character), each >= 1 where the model has such a layer
-# (an HF model without attention may leave the attention sizes at 0): a zero divides by zero, reshapes into nothing
-# or trains a degenerate model
-LAYER_SIZES = {"*": ("num_attention_heads", "num_key_value_heads", "head_dim"),
-               "M": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size"),
-               "E": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "moe_shared_expert_intermediate_size"),
-               "-": ("intermediate_size",)}
-# (the layers, what is split, what splits it into equal parts): attention heads into KV groups, Mamba heads into
-# groups, the tower's width into heads (layers "": always)
-MULTIPLES = (("*", "num_attention_heads", "num_key_value_heads"), ("M", "mamba_num_heads", "n_groups"),
-             ("", "vit_hidden", "vit_heads"))
+# What the config and layout checks know of each layer kind (a hybrid_override_pattern character; its code and what
+# the plan counts of it: model.KINDS): its sizes, each >= 1 where the model has such a layer (an HF model without
+# attention may leave the attention sizes at 0: a zero divides by zero, reshapes into nothing or trains a degenerate
+# model); what must be a multiple of what (heads of KV groups, Mamba heads of groups); the sizes tp splits; its
+# name in an HF config (transformers 5.x layers_block_type)
+LAYER_KINDS = {
+    "M": dict(sizes=("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel", "chunk_size"),
+              multiple=("mamba_num_heads", "n_groups"), tp=("mamba_num_heads", "n_groups"), hf="linear_attention"),
+    "*": dict(sizes=("num_attention_heads", "num_key_value_heads", "head_dim"),
+              multiple=("num_attention_heads", "num_key_value_heads"),
+              tp=("num_attention_heads", "num_key_value_heads"), hf="full_attention"),
+    "E": dict(sizes=("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "moe_shared_expert_intermediate_size"), tp=("moe_shared_expert_intermediate_size",), hf="moe"),
+    "-": dict(sizes=("intermediate_size",), tp=("intermediate_size",), hf="mlp"),
+}
 
 
 @functools.lru_cache(maxsize=256)   # layout.py's chooser asks for thousands of layouts on a large world (remedy)
@@ -436,7 +439,7 @@ def check(cfg):
     and the model's shape: every size of its layers (LAYER_SIZES), what must divide what (MULTIPLES), top-k within
     the experts, the patch budget (layout constraints live in layout.py). One SystemExit line names every offender."""
     layers = cfg.hybrid_override_pattern + (cfg.mtp_pattern if cfg.num_nextn_predict_layers else "")
-    ranges = RANGES + [(names, 1, ">= 1") for kind, names in LAYER_SIZES.items() if kind in layers]
+    ranges = RANGES + [(f["sizes"], 1, ">= 1") for kind, f in LAYER_KINDS.items() if kind in layers]
     errors = [f"--{flag(k)} {getattr(cfg, k)}: must be a finite number {what}" for names, low, what in ranges
               for k in names if getattr(cfg, k) is not None and not (math.isfinite(getattr(cfg, k)) and
                                                                       getattr(cfg, k) >= low)]
@@ -457,11 +460,13 @@ def check(cfg):
             re.compile(getattr(cfg, k) or "")
         except re.error as e:
             errors.append(f"--{flag(k)} {getattr(cfg, k)!r}: not a regular expression ({e})")
-    errors += [f"{k} may only hold M * E -, got {getattr(cfg, k)!r}" for k in ("hybrid_override_pattern", "mtp_pattern")
-               if set(getattr(cfg, k)) - set("M*E-") or not getattr(cfg, k)]
+    errors += [f"{k} may only hold {' '.join(LAYER_KINDS)}, got {getattr(cfg, k)!r}"
+               for k in ("hybrid_override_pattern", "mtp_pattern")
+               if set(getattr(cfg, k)) - set(LAYER_KINDS) or not getattr(cfg, k)]
     if cfg.mtp_depths and not cfg.num_nextn_predict_layers:
         errors.append(f"--mtp-depths {cfg.mtp_depths}: the model has no MTP block (num_nextn_predict_layers 0)")
-    for kind, whole, part in MULTIPLES:
+    multiples = [(kind, *f["multiple"]) for kind, f in LAYER_KINDS.items() if "multiple" in f]
+    for kind, whole, part in multiples + [("", "vit_hidden", "vit_heads")]:   # "": the tower, always
         n, k = getattr(cfg, whole), getattr(cfg, part)
         if kind in layers and n > 0 and k > 0 and n % k:
             errors.append(f"{whole} must be a multiple of {part} ({n} and {k}: --{flag(part)} "

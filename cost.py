@@ -2,8 +2,8 @@
 (docs/layouts.md §1: how it is built and how far it holds).
 
 Per micro-batch, on a rank of each module:
-- compute: the module's FLOPs (model.py's counts) over its share of them (/ tp; the language model's / cp too) at
-  a calibrated fraction of the bf16 peak;
+- compute: the module's FLOPs (model.py's and radio.py's counts) over its share of them (/ tp; the language
+  model's / cp too) at a calibrated fraction of the bf16 peak;
 - collectives: tp all-reduces of activations, ep all-to-alls of the routed rows, cp exchanges, a pipeline stage's
   residual stream to the next and its gradient back, and the bridge's rows and their gradient where they travel:
   the bytes a rank sends at its link's bandwidth (NVLink inside a node, the network between nodes) plus a fixed
@@ -19,6 +19,7 @@ stage s; tail: the slowest rank's.
 """
 import model
 import memory
+import radio
 
 PEAK_FLOPS = 989e12         # dense bf16 of an H100 / H200 SXM (logs.PEAK_TFLOPS)
 # Measured: the language model's fwd + bwd on one H100, 20l (bench/2026-11-25-speed-h100.md: 44.5 % MFU).
@@ -67,26 +68,20 @@ def language_micro(cfg, lay, stage=0):
     T, D = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size
     r, first, last = model.stage_layers(cfg, p, lay.lm_split)[stage], stage == 0, stage == p - 1
     pattern = cfg.hybrid_override_pattern[r.start:r.stop]
-    passes, moe = (3 if cfg.activation_checkpointing else 2), pattern.count("E")
+    passes = 3 if cfg.activation_checkpointing else 2
     layers, rest = model.layer_flops_per_token(cfg, cfg.seq_len)
     per_token = sum(layers[r.start:r.stop]) + rest * last   # the head and MTP on the last stage
     flops = lay.micro_batch * cfg.seq_len * per_token * (passes + 1) / 3
     host = lay.micro_batch * host_seconds(cfg) * (len(r) / len(cfg.hybrid_override_pattern))   # launches: per layer
     compute = flops / (tp * cp) / (PEAK_FLOPS * LM_EFFICIENCY) + host
-    reduces = passes * len(pattern) + first + last   # per layer pass (an MoE layer: its shared expert's), the
-    # embedding's, the head's
+    # each layer pass's collectives (model.kind_facts), and the embedding's and the head's tp all-reduces
+    sends = [model.kind_facts(cfg, k, cfg.seq_len, T, tp, cp, ep, etp)["sends"] for k in pattern]
+    nbytes, count = ({g: passes * sum(s.get(g, (0, 0))[i] for s in sends) for g in ("tp", "ep", "cp")} for i in (0, 1))
     activation = 2 * T * D
-    tp_time = send((reduces * all_reduce(tp) + passes * moe * gather(tp)) * activation, (reduces + passes * moe)
+    tp_time = send(nbytes["tp"] + (first + last) * all_reduce(tp) * activation, (count["tp"] + first + last)
                    * (tp > 1), tp)
-    routed = 2 * T * cfg.num_experts_per_tok / tp * (cfg.moe_latent_size or D)   # a rank's routed rows of an MoE
-    # layer (LatentMoE: latent-wide), both ways
-    ep_time = send(passes * moe * 2 * (gather(ep) + etp - 1) * routed, passes * moe * 2 * (ep * etp > 1), ep * etp)
-    kv = 2 * T * 2 * cfg.num_key_value_heads * cfg.head_dim / tp
-    mamba = 2 * T * (3 * cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size
-                     + cfg.mamba_num_heads) / tp
-    attention, mambas = pattern.count("*"), pattern.count("M")
-    cp_time = send(passes * (attention * (cp - 1) * kv + mambas * gather(cp) * mamba),
-                   passes * (attention + 2 * mambas) * (cp > 1), tp * cp)
+    ep_time = send(nbytes["ep"], count["ep"], ep * etp)
+    cp_time = send(nbytes["cp"], count["cp"] * (cp > 1), tp * cp)
     # the stages beside this one: to each, one batch a micro-batch (outputs down, or their gradient up)
     peers = (not first) + (not last)
     pipe_time = send(peers * activation * (1 + (model.mtp_depths(cfg) > 0)), peers, lay.lm_size)
@@ -97,11 +92,10 @@ def vision_micro(cfg, lay):
     """Seconds of one vision micro-batch on one rank (forward, and backward where the tower trains): compute, tp
     all-reduces, and the bridge's rows and their gradient where they travel (not in place)."""
     trains, items = memory.tower_trains(cfg), memory.vision_items(cfg) * lay.vision_micro_batch
-    flops = model.vision_flops(cfg, [(h, w) for h, w, _ in items], trains, [t for _, _, t in items])
+    flops = radio.flops(cfg, [(h, w) for h, w, _ in items], trains, [t for _, _, t in items])
     compute = flops / lay.vision_tp / (PEAK_FLOPS * VISION_EFFICIENCY)
     S, rows = memory.vision_tokens(cfg, lay)
-    count = cfg.vit_depth * (4 if trains else 2) * (lay.vision_tp > 1)
-    tp_time = send(count * all_reduce(lay.vision_tp) * 2 * S * cfg.vit_hidden, count, lay.vision_tp)
+    tp_time = send(*radio.facts(cfg, S, rows, lay.vision_tp, trains)["sends"]["tp"], lay.vision_tp)
     bridge = 0.0 if lay.in_place else send(2 * 2 * rows * cfg.hidden_size / lay.vision_tp, 2, lay.world)
     return compute + tp_time + bridge + lay.vision_micro_batch * host_seconds(cfg)
 

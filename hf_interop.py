@@ -49,7 +49,7 @@ HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, atten
 HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32",
                attention_dropout=0.0, hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True,
                rescale_prenorm_residual=True)
-HF_LAYER_TYPES = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}   # transformers 5.x
+HF_LAYER_TYPES = {f["hf"]: kind for kind, f in config.LAYER_KINDS.items()}   # transformers 5.x
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
 
 # RADIO switches baked into radio.py (absent = HF default = this), and what an Omni config must say.
@@ -146,8 +146,8 @@ def _language_fields(hf, where, preset):
     mtp = hf.get("mtp_hybrid_override_pattern") or "".join(   # the MTP block's layers, as string or list
         HF_LAYER_TYPES.get(t, "?") for t in hf.get("mtp_layers_block_type") or ["full_attention", "moe"])
     for what, p, field in (("layer", pattern, "layers_block_type"), ("MTP", mtp, "mtp_layers_block_type")):
-        if set(p) - set("M*E-"):
-            errors.append(f"{where}{what} pattern {p!r} ({field} {hf.get(field)}): only M * E -")
+        if set(p) - set(config.LAYER_KINDS):
+            errors.append(f"{where}{what} pattern {p!r} ({field} {hf.get(field)}): only {' '.join(config.LAYER_KINDS)}")
     if "num_hidden_layers" in hf and hf["num_hidden_layers"] != len(pattern):
         errors.append(f"{where}num_hidden_layers={hf['num_hidden_layers']} but the pattern has {len(pattern)} layers")
     over = {k: config.base_type(k)(hf[k]) for k in HF_SAME if hf.get(k) is not None and k != "hybrid_override_pattern"}

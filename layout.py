@@ -134,10 +134,11 @@ def check_layout(lay, cfg):
     if "E" in cfg.hybrid_override_pattern + cfg.mtp_pattern * bool(cfg.num_nextn_predict_layers) and tokens % lay.lm_tp:
         errors.append(f"micro_batch x seq_len / lm_cp = {tokens} tokens per rank are not divisible by lm_tp "
                       f"{lay.lm_tp} (MoE layers route 1 / tp of them on each tp rank)")
-    # tp shards heads, Mamba heads and groups, MLP widths and the vocab-parallel embedding / cross-entropy
-    for kind, split in (("lm_tp", ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups",
-                                   "vocab_size", "intermediate_size", "moe_shared_expert_intermediate_size")),
-                        ("vision_tp", ("vit_heads", "vit_mlp"))):
+    # tp shards the vocab-parallel embedding / cross-entropy and what each layer kind of the model splits (heads,
+    # Mamba heads and groups, MLP widths: config.LAYER_KINDS)
+    layers = cfg.hybrid_override_pattern + cfg.mtp_pattern * bool(cfg.num_nextn_predict_layers)
+    kinds = tuple(n for k, f in config.LAYER_KINDS.items() if k in layers for n in f["tp"])
+    for kind, split in (("lm_tp", ("vocab_size", *dict.fromkeys(kinds))), ("vision_tp", ("vit_heads", "vit_mlp"))):
         tp = getattr(lay, kind)
         bad = [name for name in split if getattr(cfg, name) % tp]
         for name in bad:

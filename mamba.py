@@ -55,7 +55,7 @@ class Mamba2Mixer(nn.Module):
             comm.mark_shard(p, ("tp", 0, None))
         comm.mark_shard(self.out_proj.weight, ("tp", 1, None))
 
-    def forward(self, u_BMD, seq_idx=None):
+    def forward(self, u_BMD, seq_idx=None, valid_BL=None):
         """u: this cp rank's positions; the conv and the scan run on whole rows of this rank's heads (cp.py)."""
         u_BMD = comm.copy_to(u_BMD, self.tp_group)
         GN = self.ngroups * self.dstate
@@ -102,6 +102,21 @@ class Mamba2Mixer(nn.Module):
             zxbcdt, conv_w, conv_b, dt_bias, -torch.exp(A_log.float()), D, self.chunk_size, seq_idx=seq_idx,
             activation="silu", rmsnorm_weight=norm_w, rmsnorm_eps=self.eps, headdim=self.headdim, ngroups=G,
             norm_before_gate=False)
+
+
+def facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
+    """What the plan and the cost model count of one Mamba layer (model.kind_facts). The SSD (chunk c, state s, head
+    dim p), per head: intra-chunk scores and values 2 x (c / 2) x (s + p), state in and out 2 x 2 x s x p, x3. Saved:
+    in_proj's input and output, the scan's input and output, the gated norm's rstd. cp exchanges in_proj's rows
+    (z x B C dt) for whole rows of 1 / cp of the heads, and the scan's output back: two all-to-alls a pass."""
+    H, P, N, c, D = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.chunk_size, cfg.hidden_size
+    d_in, gn = H * P, cfg.n_groups * N
+    return {"flops": 3 * H * (c * (N + P) + 4 * N * P), "idle": 0,
+            "saved": (2 * T * D + 2 * T * (2 * d_in + 2 * gn + H) / tp + 2 * 2 * T * d_in / tp
+                      + 4 * T * cfg.n_groups / tp),
+            "exchange": 2 * 2 * T * (2 * d_in + 2 * gn + H) / tp,
+            "sends": {"tp": (2 * (tp - 1) / tp * 2 * T * D, 1),
+                      "cp": ((cp - 1) / cp * (2 * T * (3 * d_in + 2 * gn + H) / tp), 2)}}
 
 
 def causal_conv1d_ref(x_BLC, w_CW, bias_C, seq_idx=None):

@@ -33,6 +33,7 @@ import config
 import lora
 import model
 import optim
+import radio
 import video
 from radio import VisionModel
 
@@ -49,7 +50,7 @@ def sizing_model(cfg):
     --train-layers, and --lora-rank's adapters. A --train-layers regex that trains nothing is refused here, on the
     whole model (a hetero rank holds only part of it)."""
     with torch.device("meta"):
-        modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(cfg)}
+        modules = {"vision": VisionModel(cfg), "language": model.LanguageModel(model.planned(cfg))}
         model.set_trainable(modules, cfg.stage, cfg.train_layers)
         if cfg.lora_rank:
             lora.apply(modules, cfg)
@@ -141,32 +142,18 @@ def language_activation_bytes(cfg, lay, stage=0):
     A stage but the last keeps the outputs it sent on (pipeline.py) and receives their gradient; with MTP the
     decoder input travels beside them, kept by every stage but the first (there it is the first layer's input)."""
     cp, checkpointing = lay.lm_cp, cfg.activation_checkpointing
-    T, D, tp, etp = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp, lay.lm_etp
-    d_in, gn, H = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    K, E, Z = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.moe_latent_size or cfg.hidden_size
+    T, D, tp = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp
     block = 2 * T * D + 4 * T                                   # the norm's input (the residual) and rstd
-    latent = 2 * T * (D + Z) / tp if cfg.moe_latent_size else 0  # LatentMoE: fc1's input slice, fc2's input
-    mixer = {  # inputs of every matmul / kernel the mixer runs, as saved for backward, in bytes
-        "M": 2 * T * D + 2 * T * (2 * d_in + 2 * gn + H) / tp + 2 * 2 * T * d_in / tp + 4 * T * cfg.n_groups / tp,
-        "*": 2 * T * D + 2 * T * (nh + 2 * nkv * cp) * hd / tp + 2 * 2 * T * nh * hd / tp + 4 * T * nh / tp,
-        "-": 2 * T * D + 2 * 2 * T * cfg.intermediate_size / tp,
-        "E": (2 * T * D + 4 * T * D + 4 * 2 * T * E                # input; fp32 router input, scores, sigmoid
-              + 2 * 2 * T * cfg.moe_shared_expert_intermediate_size / tp
-              + 2 * (T * K / tp) * etp * (2 * Z + 2 * cfg.moe_intermediate_size / etp)   # rows in, out; up, act
-              + 2 * T * D / tp + 2 * T * D + latent),               # combined rows, all-gathered over tp
-    }
     first, last = stage == 0, stage == lay.lm_pp - 1
     r = model.stage_layers(cfg, lay.lm_pp, lay.lm_split)[stage]
     pattern, mtp = cfg.hybrid_override_pattern[r.start:r.stop], model.mtp_depths(cfg)
     depths = mtp if last else 0      # MTP: each depth's block layers, its eh_proj input and rolled embedding, head
-    # a kind the plan does not know (a fork's new layer): estimated as the largest known kind's, never a KeyError
-    layers = [block + mixer.get(k, max(mixer.values())) for k in pattern + cfg.mtp_pattern * depths]
+    facts = {k: model.kind_facts(cfg, k, cfg.seq_len, T, tp, cp, lay.lm_ep, lay.lm_etp)
+             for k in set(pattern + cfg.mtp_pattern)}
+    layers = [block + facts[k]["saved"] for k in pattern + cfg.mtp_pattern * depths]
     kept = len(layers) * 2 * T * D if checkpointing else sum(layers)   # checkpointing: each layer's input, and
     recompute = max(layers) if checkpointing else 0                    # the one being recomputed
-    # cp: the send and receive buffers of Mamba's in_proj rows, or of attention's whole-row K and V
-    exchange = 2 * 2 * T * max((2 * d_in + 2 * gn + H) * ("M" in pattern), cp * 2 * nkv * hd * ("*" in pattern)) \
-        / tp if cp > 1 else 0
+    exchange = max(facts[k]["exchange"] for k in pattern) if cp > 1 else 0   # the largest one's buffers
     stream = 2 * T * D * (1 + (mtp > 0))   # what a stage sends on: the residual stream (and the decoder input)
     if not last:
         return kept + 2 * T * D + 2 * T * D * (mtp > 0 and not first), recompute + stream + exchange
@@ -217,15 +204,8 @@ def tower_trains(cfg):
 
 
 def vision_activation_bytes(cfg, lay, load=None):
-    """Bytes autograd keeps for one micro-batch of one vision rank (its samples: vision_tokens). A frozen tower
-    keeps nothing (no input of it needs a gradient); the projector keeps its inputs."""
-    S, Q = vision_tokens(cfg, lay, load)
-    C, tp = cfg.vit_hidden, lay.vision_tp
-    projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
-    if not tower_trains(cfg):
-        return projector
-    per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
-    return cfg.vit_depth * per_block + projector
+    """Bytes autograd keeps for one micro-batch of one vision rank (its samples: vision_tokens; radio.facts)."""
+    return radio.facts(cfg, *vision_tokens(cfg, lay, load), lay.vision_tp, tower_trains(cfg))["saved"]
 
 
 def plan(cfg, lay, cuda=True, load=None):

@@ -16,6 +16,7 @@ positions (B x M flattened), V vocab, E routed experts, F expert ffn width, H at
 Context parallelism (cp.py, docs/cp.md): the language model's activations, labels and padding mask hold this cp
 rank's positions, seq_idx (document ids) always the whole rows in natural order.
 """
+import dataclasses
 import math
 import re
 
@@ -28,6 +29,8 @@ import comm
 import config
 import cp
 import fused
+import mamba
+import moe
 from fused import RMSNorm
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
@@ -54,7 +57,7 @@ class Attention(nn.Module):
             comm.mark_shard(lin.weight, ("tp", 0, None))
         comm.mark_shard(self.o_proj.weight, ("tp", 1, None))
 
-    def forward(self, x_BMD, seq_idx=None):
+    def forward(self, x_BMD, seq_idx=None, valid_BL=None):
         Bsz, M, _ = x_BMD.shape
         x_BMD = comm.copy_to(x_BMD, self.tp_group)
         q = self.q_proj(x_BMD).view(Bsz, M, self.n_heads, self.head_dim).transpose(1, 2)
@@ -65,6 +68,18 @@ class Attention(nn.Module):
         o = attend(q, k, v, cp.spans(L, comm.group_rank(self.cp_group), comm.group_size(self.cp_group)), seq_idx)
         o = o.transpose(1, 2).reshape(Bsz, M, self.n_heads * self.head_dim)
         return comm.reduce_from(self.o_proj(o), self.tp_group)
+
+
+def attention_facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
+    """What the plan and the cost model count of one attention layer (kind_facts): the causal scores and values,
+    2 x 2 x (seq / 2) x heads x head dim a token, x3; the saved inputs of its projections, SDPA's output and
+    logsumexp, and under cp the whole rows' K and V, which cp exchanges."""
+    nh, nkv, hd, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    kv = 2 * T * 2 * nkv * hd / tp
+    return {"flops": 3 * 2 * seq_len * nh * hd, "idle": 0,
+            "saved": 2 * T * D + 2 * T * (nh + 2 * nkv * cp) * hd / tp + 2 * 2 * T * nh * hd / tp + 4 * T * nh / tp,
+            "exchange": 2 * 2 * T * cp * 2 * nkv * hd / tp,
+            "sends": {"tp": (2 * (tp - 1) / tp * 2 * T * D, 1), "cp": ((cp - 1) * kv, 1)}}
 
 
 def attend(q_BHMK, k_BGLK, v_BGLK, spans, seq_idx_BL=None):
@@ -119,26 +134,46 @@ def _document_flex(q_BHMK, k_BGSK, v_BGSK, seq_idx_BL, offset):
     return _FLEX["attn"](q_BHMK, k_BGSK, v_BGSK, block_mask=_FLEX["masks"][(offset, M, S)], enable_gqa=True)
 
 
+# Each layer kind, by its hybrid_override_pattern character: its mixer, built from (cfg, groups, dispatcher) and
+# called on the normed input with keywords seq_idx and valid_BL (each mixer takes both, so a Block calls any kind
+# alike), and its facts (kind_facts). A new kind is a row here and one in config.LAYER_KINDS (what the config and
+# layout checks know of it).
+KINDS = {
+    "M": (lambda cfg, g, d: Mamba2Mixer(cfg, g.get("tp"), g.get("cp")), mamba.facts),
+    "*": (lambda cfg, g, d: Attention(cfg, g.get("tp"), g.get("cp")), attention_facts),
+    "E": (lambda cfg, g, d: MoE(cfg, g.get("tp"), g.get("ep"), g.get("etp"), d, g.get("cp")), moe.moe_facts),
+    "-": (lambda cfg, g, d: MLP(cfg.hidden_size, cfg.intermediate_size, g.get("tp")), moe.mlp_facts),
+}
+
+
 class Block(nn.Module):
     def __init__(self, kind, cfg, groups, dispatcher):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        tp, cp_group = groups.get("tp"), groups.get("cp")
-        if kind == "M":
-            self.mixer = Mamba2Mixer(cfg, tp, cp_group)
-        elif kind == "*":
-            self.mixer = Attention(cfg, tp, cp_group)
-        elif kind == "E":
-            self.mixer = MoE(cfg, tp, groups.get("ep"), groups.get("etp"), dispatcher, cp_group)
-        else:
-            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.mixer = KINDS[kind][0](cfg, groups, dispatcher)
 
     def forward(self, h, seq_idx=None, valid=None):
-        x = self.norm(h)
-        if self.kind in "M*":
-            return h + self.mixer(x, seq_idx)
-        return h + (self.mixer(x, valid) if self.kind == "E" else self.mixer(x))
+        return h + self.mixer(self.norm(h), seq_idx=seq_idx, valid_BL=valid)
+
+
+def kind_facts(cfg, kind, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
+    """One layer of `kind`, as the memory plan and the cost model count it ({T} tokens a rank, this rank's tp, cp,
+    ep and etp shares): flops, its training FLOPs a token besides 6 x its active parameters; idle, its parameters a
+    token does not run; saved, the bytes autograd keeps of its mixer for backward (bf16); exchange, the bytes of cp's
+    send and receive buffers while its backward runs; sends, {group: (bytes a rank sends, collectives)} a pass. A
+    kind without a row (a fork's new character, before its facts) is estimated as the known kind that saves the
+    most, never a KeyError inside the plan."""
+    if kind in KINDS:
+        return KINDS[kind][1](cfg, seq_len, T, tp, cp, ep, etp)
+    return max((f(cfg, seq_len, T, tp, cp, ep, etp) for _, f in KINDS.values()), key=lambda f: f["saved"])
+
+
+def planned(cfg):
+    """cfg with each kind KINDS lacks as the known kind that kind_facts estimates it by: the plan's meta model."""
+    stand_in = max(KINDS, key=lambda k: kind_facts(cfg, k, 1, 1)["saved"])
+    return dataclasses.replace(cfg, **{f: "".join(k if k in KINDS else stand_in for k in getattr(cfg, f))
+                                       for f in ("hybrid_override_pattern", "mtp_pattern")})
 
 
 class VocabEmbedding(nn.Module):
@@ -402,7 +437,7 @@ def _decoder_rule(name, shape, gen, std, out_std, conv_kernel):
     return torch.randn(shape, generator=gen, device=device).mul_(std)
 
 
-# ---------------------------------------------------------------- parameter counts
+# ---------------------------------------------------------------- parameter counts and FLOPs (throughput, MFU)
 
 @config.per_config
 def count_language_params(cfg, mtp=False):
@@ -410,22 +445,14 @@ def count_language_params(cfg, mtp=False):
     of its MTP blocks instead (active: one block's, what one depth runs). Cached: every training step counts its
     FLOPs."""
     with torch.device("meta"):
-        lm = LanguageModel(cfg)
+        lm = LanguageModel(planned(cfg))
     total = sum(p.numel() for n, p in lm.named_parameters() if n.startswith("mtp.") == mtp)
-    idle = idle_expert_params(cfg)
     if not mtp:
-        return total, total - cfg.hybrid_override_pattern.count("E") * idle
+        return total, total - sum(kind_facts(cfg, k, cfg.seq_len)["idle"] for k in cfg.hybrid_override_pattern)
     blocks = cfg.num_nextn_predict_layers
-    return total, (total // blocks - cfg.mtp_pattern.count("E") * idle) if blocks else 0
+    return total, (total // blocks - sum(kind_facts(cfg, k, cfg.seq_len)["idle"] for k in cfg.mtp_pattern)) \
+        if blocks else 0
 
-
-def idle_expert_params(cfg):
-    """Parameters of one MoE layer's routed experts that a token does not run (all but its top-k)."""
-    return (cfg.n_routed_experts - cfg.num_experts_per_tok) * 2 * (cfg.moe_latent_size or cfg.hidden_size) \
-        * cfg.moe_intermediate_size
-
-
-# ---------------------------------------------------------------- FLOPs (for throughput and MFU)
 
 @config.per_config
 def layer_flops_per_token(cfg, seq_len):
@@ -433,9 +460,10 @@ def layer_flops_per_token(cfg, seq_len):
     lm_flops_per_token's terms, per layer."""
     with torch.device("meta"):
         params = {k: sum(p.numel() for p in Block(k, cfg, {}, "alltoall").parameters())
-                  for k in set(cfg.hybrid_override_pattern)}
-    layers = [6 * (params[k] - idle_expert_params(cfg) * (k == "E")) + mixer_flops_per_token(cfg, k, seq_len)
-              for k in cfg.hybrid_override_pattern]
+                  for k in set(planned(cfg).hybrid_override_pattern)}
+    facts = {k: kind_facts(cfg, k, seq_len) for k in set(cfg.hybrid_override_pattern)}
+    layers = [6 * (params[known] - facts[k]["idle"]) + facts[k]["flops"]
+              for k, known in zip(cfg.hybrid_override_pattern, planned(cfg).hybrid_override_pattern)]
     return layers, lm_flops_per_token(cfg, seq_len) - sum(layers)
 
 
@@ -467,44 +495,13 @@ def stage_layers(cfg, pp, split=()):
     bounds = [0] + stops[::-1]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
-def lm_flops_per_token(cfg, seq_len):
-    """Training FLOPs (fwd + bwd = 3 x fwd) per token of the language model.
 
-    matmuls: 6 * active matmul parameters (all active parameters except the embedding lookup);
-    attention: causal scores + values, 2 * 2 * (seq/2) * heads * head_dim per layer, x3;
-    SSD (chunk c, state s, head dim p): per head, intra-chunk scores and values 2 * (c/2) * (s + p) and state
-    in/out 2 * 2 * s * p, x3. MTP: each depth one block and the output head again.
-    """
+def lm_flops_per_token(cfg, seq_len):
+    """Training FLOPs (fwd + bwd = 3 x fwd) per token of the language model: 6 x active matmul parameters (all
+    active parameters except the embedding lookup) and each layer's own (kind_facts: attention's scores and values,
+    a Mamba layer's SSD). MTP: each depth one block and the output head again."""
     (_, active), (_, block), depths = count_language_params(cfg), count_language_params(cfg, True), \
         mtp_depths(cfg)
     matmul = 6 * (active - cfg.vocab_size * cfg.hidden_size + depths * (block + cfg.vocab_size * cfg.hidden_size))
     layers = cfg.hybrid_override_pattern + cfg.mtp_pattern * depths
-    return matmul + sum(mixer_flops_per_token(cfg, k, seq_len) for k in layers)
-
-
-def mixer_flops_per_token(cfg, kind, seq_len):
-    """Training FLOPs per token of a layer's work besides its matmuls (see lm_flops_per_token): attention's scores
-    and values, a Mamba layer's SSD; none for MLP and MoE layers."""
-    if kind == "*":
-        return 3 * 2 * seq_len * cfg.num_attention_heads * cfg.head_dim
-    return ssd_flops_per_token(cfg) if kind == "M" else 0
-
-
-def ssd_flops_per_token(cfg):
-    """Training FLOPs per token of one Mamba layer's SSD (see lm_flops_per_token)."""
-    c, s, p = cfg.chunk_size, cfg.ssm_state_size, cfg.mamba_head_dim
-    return 3 * cfg.mamba_num_heads * (c * (s + p) + 4 * s * p)
-
-
-def vision_flops(cfg, grids, tower_trains, frames=None):
-    """FLOPs of one vision forward (+ backward where needed) over images and video tubelets with patch grids
-    `grids` (frames: t per item, 1 for an image; a tubelet's embedder is t times wider).
-    A frozen tower runs forward only (x1), the projector always trains (x3)."""
-    C, M, K = cfg.vit_hidden, cfg.vit_mlp, cfg.class_token_len
-    block_params = 4 * C * C + 2 * C * M
-    tower = proj = 0
-    for (h, w), t in zip(grids, frames or [1] * len(grids)):
-        S = h * w + K
-        tower += 2 * S * (block_params * cfg.vit_depth + t * 3 * cfg.vit_patch ** 2 * C) + 4 * S * S * C * cfg.vit_depth
-        proj += 2 * (h * w // 4) * (4 * C * cfg.projector_hidden + cfg.projector_hidden * cfg.hidden_size)
-    return tower * (3 if tower_trains else 1) + 3 * proj
+    return matmul + sum(kind_facts(cfg, k, seq_len)["flops"] for k in layers)

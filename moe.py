@@ -109,9 +109,16 @@ class MLP(nn.Module):
         comm.mark_shard(self.up_proj.weight, ("tp", 0, None))
         comm.mark_shard(self.down_proj.weight, ("tp", 1, None))
 
-    def forward(self, x):
+    def forward(self, x, seq_idx=None, valid_BL=None):
         x = comm.copy_to(x, self.tp_group)
         return comm.reduce_from(self.down_proj(fused.squared_relu(self.up_proj(x))), self.tp_group)
+
+
+def mlp_facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
+    """What the plan and the cost model count of one dense MLP layer (model.kind_facts): its saved inputs."""
+    D = cfg.hidden_size
+    return {"flops": 0, "idle": 0, "saved": 2 * T * D + 2 * 2 * T * cfg.intermediate_size / tp, "exchange": 0,
+            "sends": {"tp": (2 * (tp - 1) / tp * 2 * T * D, 1)}}
 
 
 class Experts(nn.Module):
@@ -177,7 +184,7 @@ class MoE(nn.Module):
                 lin.weight.tp_partial = comm.group_size(tp_group) > 1
         self.deepep = DeepEPDispatch(ep_group, self.num_experts) if dispatcher == "deepep" else None
 
-    def forward(self, x_BLD, valid_BL=None):
+    def forward(self, x_BLD, valid_BL=None, seq_idx=None):
         Bsz, L, D = x_BLD.shape
         topk_idx, topk_w = self.gate(x_BLD, valid_BL)
         valid_T = None if valid_BL is None else valid_BL.reshape(-1)
@@ -247,6 +254,24 @@ class MoE(nn.Module):
             n_own = sum(out_splits)
             y_recv = comm.all_to_all(y_recv, [n_own] * etp, sizes, self.etp_group).view(etp, n_own, -1).sum(0)
         return comm.all_to_all(y_recv, in_splits, out_splits, self.ep_group)
+
+
+def moe_facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
+    """What the plan and the cost model count of one MoE layer (model.kind_facts), routing balanced (T x k / tp rows a
+    rank): idle, the routed experts a token does not run; saved, the input, the fp32 router input, scores and
+    sigmoid, the shared expert's inputs, the routed rows in and out and the experts' up and activation, the combined
+    rows, all-gathered over tp (LatentMoE: fc1's input slice and fc2's input too); sends: the shared expert's
+    all-reduce and the rows' all-gather over tp, the dispatch and combine over ep (and their all-gathers over etp)."""
+    K, E, D, F = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    Z = cfg.moe_latent_size or D
+    latent = 2 * T * (D + Z) / tp if cfg.moe_latent_size else 0
+    routed = 2 * T * K / tp * Z   # a rank's routed rows, bf16
+    return {"flops": 0, "idle": (E - K) * 2 * Z * F,
+            "saved": (2 * T * D + 4 * T * D + 4 * 2 * T * E + 2 * 2 * T * cfg.moe_shared_expert_intermediate_size / tp
+                      + 2 * (T * K / tp) * etp * (2 * Z + 2 * F / etp) + 2 * T * D / tp + 2 * T * D + latent),
+            "exchange": 0,
+            "sends": {"tp": ((2 * (tp - 1) / tp + (tp - 1) / tp) * 2 * T * D, 2),
+                      "ep": (2 * ((ep - 1) / ep + etp - 1) * routed, 2 * (ep * etp > 1))}}
 
 
 def count_per_expert(ids, num_experts, weight):

@@ -140,6 +140,33 @@ class Block(nn.Module):
         return comm.reduce_from(y, self.tp_group) + linear.bias
 
 
+def flops(cfg, grids, tower_trains, frames=None):
+    """FLOPs of one vision forward (+ backward where needed) over images and video tubelets with patch grids
+    `grids` (frames: t per item, 1 for an image; a tubelet's embedder is t times wider).
+    A frozen tower runs forward only (x1), the projector always trains (x3)."""
+    C, M, K = cfg.vit_hidden, cfg.vit_mlp, cfg.class_token_len
+    block_params = 4 * C * C + 2 * C * M
+    tower = proj = 0
+    for (h, w), t in zip(grids, frames or [1] * len(grids)):
+        S = h * w + K
+        tower += 2 * S * (block_params * cfg.vit_depth + t * 3 * cfg.vit_patch ** 2 * C) + 4 * S * S * C * cfg.vit_depth
+        proj += 2 * (h * w // 4) * (4 * C * cfg.projector_hidden + cfg.projector_hidden * cfg.hidden_size)
+    return tower * (3 if tower_trains else 1) + 3 * proj
+
+
+def facts(cfg, S, Q, tp=1, tower_trains=True):
+    """What the plan and the cost model count of the tower and projector over S tower tokens and Q projector rows on
+    one rank: saved, the bytes autograd keeps for backward (a frozen tower nothing, the projector its inputs: the
+    shuffled rows in fp32 and bf16, its hidden layer's); sends, {"tp": (bytes, all-reduces)} of the blocks'
+    row-parallel outputs, forward (and backward where the tower trains)."""
+    C = cfg.vit_hidden
+    projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
+    per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
+    count = cfg.vit_depth * (4 if tower_trains else 2) * (tp > 1)
+    return {"saved": cfg.vit_depth * per_block * tower_trains + projector,
+            "sends": {"tp": (count * (2 * (tp - 1) / tp) * 2 * S * C, count)}}
+
+
 def rule(name, C):
     """How tower parameter `name` (width C) is drawn, as comm.draw takes it: (full shape, generator) -> tensor."""
     def draw(shape, gen):

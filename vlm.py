@@ -16,6 +16,7 @@ import torch
 import cp
 import data
 import model
+import radio
 
 
 def compute_dtype(device):
@@ -88,9 +89,9 @@ def loss(vision, lm, samples, cfg):
 
 def flops(cfg, samples, side, tower_trains=True):
     """Training FLOPs of the samples on `side` ("vision": tower + projector, a frozen tower forward only; "lm": the
-    decoder over the whole rows, padding included). Formulas: model.py."""
+    decoder over the whole rows, padding included). Formulas: model.py, radio.py."""
     if side == "lm":
         return sum(len(s.input_ids) for s in samples) * model.lm_flops_per_token(cfg, cfg.seq_len)
     p = cfg.vit_patch
     items = [(i.shape[1] // p, i.shape[2] // p, i.shape[0] // 3) for s in samples for i in s.images]
-    return model.vision_flops(cfg, [(h, w) for h, w, _ in items], tower_trains, [t for _, _, t in items])
+    return radio.flops(cfg, [(h, w) for h, w, _ in items], tower_trains, [t for _, _, t in items])

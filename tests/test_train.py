@@ -25,6 +25,7 @@ import memory
 import model
 import optim
 import parallel
+import radio
 import train
 from tests.spawn import run_distributed
 
@@ -230,7 +231,7 @@ def test_text_only_mixing_matches_one_process():
     assert_step_matches(results, reference, "text-only mix")
     # MFU counts what ran: 4 x 96 language tokens and the one image (the tower trains at stage 3), on any layout
     _, grids, _, _ = data.collate_images([mock.MockData(cfg, 15)[2]], cfg)
-    flops = GB * cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) + model.vision_flops(cfg, grids, True)
+    flops = GB * cfg.seq_len * model.lm_flops_per_token(cfg, cfg.seq_len) + radio.flops(cfg, grids, True)
     assert grids == [(4, 4)] and reference[0][0]["model_flops"] == flops
     assert all(h[0]["model_flops"] == flops for h, _, _ in results)
 

@@ -454,7 +454,7 @@ def test_stage_freezes_video_embedder_with_the_tower():
 def test_flops_and_memory_plan_count_video_tubelets():
     cfg = config.resolve("tiny", {"video_temporal_patch": "2", "video_target_patches": "16", "seq_len": "96"})
     C, p = cfg.vit_hidden, cfg.vit_patch
-    image, tube = model.vision_flops(cfg, [(4, 4)], True), model.vision_flops(cfg, [(4, 4)], True, [2])
+    image, tube = radio.flops(cfg, [(4, 4)], True), radio.flops(cfg, [(4, 4)], True, [2])
     assert tube - image == 3 * 2 * (16 + cfg.class_token_len) * 3 * p * p * C      # the embedder's second frame
     lay = types.SimpleNamespace(vision_micro_batch=2)
     # mock 64 px image: 16 patches a sample; a 96-token sample holds 24 tubelets of 4 x 4 patches (4 tokens each)

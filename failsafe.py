@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 import checkpoint
 import data
-import moe
 import watchdog
 
 SIGNALS = watchdog.SIGNALS   # a scheduler, Ctrl-C, a closed terminal / torchrun
@@ -110,14 +109,18 @@ def _take(signum, frame):
     taken = taken or signum
 
 
-def abandon_step(modules, opt, loader, base, rng):
-    """Undo the step a signal stopped at a micro-batch boundary (after schedule.Schedule.train matched the bridge
-    traffic in flight), so the signal checkpoint is the last completed step and resuming repeats this one exactly."""
+def abandon_step(modules, opt, loader=None, base=0, rng=None):
+    """Drop the step in progress: its gradients and the expert counts it made. Stopped by a signal at a micro-batch
+    boundary (after schedule.Schedule.train matched the bridge traffic in flight), with (loader, base, rng) its RNG
+    and data position go back to its start as well, so the signal checkpoint is the last completed step and resuming
+    repeats this one exactly. A skipped step (non-finite gradients, train.train_step) keeps them: its samples are
+    consumed and it counts as a step."""
     opt.zero_grad()
     if "language" in modules:
-        moe.discard_expert_counts(modules["language"])
-    checkpoint.set_rng_state(rng)   # the step's start (checkpoint.rng_state)
-    loader.next = base   # Loader.state_dict() reports the step's first sample as the next one
+        modules["language"].end_step()
+    if loader is not None:
+        checkpoint.set_rng_state(rng)   # the step's start (checkpoint.rng_state)
+        loader.next = base   # Loader.state_dict() reports the step's first sample as the next one
 
 
 def stop_message(signum, step, save, saved, evaluating=False):

@@ -223,6 +223,15 @@ class LanguageModel(nn.Module):
     def embed(self, input_ids):
         return self.backbone.embeddings(input_ids)
 
+    def begin_step(self, aux_scale):
+        """Once before a step's micro-batches: the routers' aux-loss scale (moe.set_aux_loss_scale)."""
+        moe.set_aux_loss_scale(self, aux_scale)
+
+    def end_step(self, rate=None, group=None):
+        """Once after a step: the routers' bias update from the step's expert counts summed over `group` -> those
+        counts (None without MoE layers); rate None, a dropped step's (failsafe.abandon_step): they are discarded."""
+        return moe.update_expert_bias(self, rate, group)
+
     def forward(self, h_BMD, seq_idx=None, valid=None):
         """Embedded input (image rows already placed), or the previous stage's output -> final normed hidden
         states (the last stage's; before norm_f on the others). seq_idx [B, L]: document ids of packed rows;

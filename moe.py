@@ -411,24 +411,19 @@ def _local_experts(recv_x, recv_idx, recv_w, w_up, w_down, counts):
 
 
 @torch.no_grad()
-def update_expert_bias(model, rate, group=None):
+def update_expert_bias(model, rate=None, group=None):
     """Aux-loss-free balancing, once per optimizer step: b += rate * sign(mean - count), the counts summed over the
     language tp x dp x cp group first (each rank counted distinct tokens), then reset. -> the summed counts [MoE
-    layers, E] (logged), or None without MoE layers."""
+    layers, E] (logged), or None without MoE layers. rate None (a dropped step): the counts reset, nothing else."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
-    if not routers:
+    if not routers or rate is None:
+        for r in routers:
+            r.tokens_per_expert.zero_()
         return None
     counts = torch.stack([r.tokens_per_expert for r in routers])
     if comm.group_size(group) > 1:
         dist.all_reduce(counts, group=group)
     for r, n in zip(routers, counts):
         r.e_score_correction_bias += rate * torch.sign(n.mean() - n)
-    discard_expert_counts(model)
+        r.tokens_per_expert.zero_()
     return counts
-
-
-def discard_expert_counts(model):
-    """Start counting afresh: after a bias update, or when a skipped step drops what it counted."""
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.tokens_per_expert.zero_()

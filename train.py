@@ -46,7 +46,6 @@ import logs
 import memory
 import mock
 import model
-import moe
 import optim
 import parallel
 import resume
@@ -296,7 +295,7 @@ def train_step(run, step, stop, first=False):
     # MTP: each depth's token losses weighted so that after the division by N_global they add scale / D x its mean
     weights = [n_global * cfg.mtp_loss_scale / (depths * max(n, 1)) for n in n_mtp]
     if lm is not None:
-        moe.set_aux_loss_scale(lm, n_global / (n_micro * lay.lm_dp))
+        lm.begin_step(n_global / (n_micro * lay.lm_dp))
     parts = run.schedule.train(n_micro, *work(run, samples, weights), stop, lambda k: watchdog.mark(
         f"step {step + 1}, micro-batch {k + 1}/{n_micro}", first), mtp=bool(weights))
     if parts is None:
@@ -310,12 +309,11 @@ def train_step(run, step, stop, first=False):
         if lm is not None:
             # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
             rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
-            expert_counts = moe.update_expert_bias(lm, rate, par.lm.tp_dp_cp)
+            expert_counts = lm.end_step(rate, par.lm.tp_dp_cp)
         c["good_steps"] += 1
     else:
         c["skipped"] += 1
-        if lm is not None:
-            moe.discard_expert_counts(lm)
+        failsafe.abandon_step(run.modules, run.opt)
     c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
     run.opt.zero_grad()

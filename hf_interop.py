@@ -49,7 +49,7 @@ HF_FIXED = dict(use_conv_bias=True, mamba_proj_bias=False, use_bias=False, atten
 HF_INFO = dict(time_step_min=0.001, time_step_max=0.1, time_step_floor=1e-4, expand=2, mamba_ssm_cache_dtype="float32",
                attention_dropout=0.0, hidden_dropout=0.0, num_logits_to_keep=1, use_mamba_kernels=True,
                rescale_prenorm_residual=True)
-HF_LAYER_TYPES = {f["hf"]: kind for kind, f in config.LAYER_KINDS.items()}   # transformers 5.x
+HF_LAYER_TYPES = {f["hf"]: kind for kind, f in config.LAYER_KINDS.items() if "hf" in f}   # transformers 5.x
 STACKED_KEY = re.compile(r"^(.+\.mixer\.experts)\.(up_proj|down_proj)$")                 # ours
 
 # RADIO switches baked into radio.py (absent = HF default = this), and what an Omni config must say.

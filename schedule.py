@@ -26,8 +26,8 @@ pair's first transfer, a device sync), so only runs over NCCL show a violation; 
   side sent them before its check, and returns a zero gradient for every micro-batch it holds, one before each of the
   encoder's backwards that waits for it; the stages drop their graphs (their pending transfers were to be posted in
   round k, by both sides). failsafe.abandon_step then undoes the rest of the step.
-- The bridge and the pipe order their own transfers (bridge.py, pipeline.py: links opened in set-up; one batch per
-  pair and round; the gradient receive of m posted before the send of m + p).
+- The bridge and the pipe order their own transfers (bridge.py, pipeline.py: links opened in set-up; between stages
+  one batch per pair and round; over the bridge the gradient receive of m posted before the rows of m + p).
 """
 import torch
 
@@ -90,6 +90,7 @@ class Schedule:
                     bridge.send_grad()
                 else:
                     bridge.backward_encoder()
+        bridge.release()
         return None if stop.agreed else out
 
     def evaluate(self, n_micro, encode, language, stop, mark):

@@ -8,25 +8,36 @@ language lane's leader (tp and cp rank 0) receives its links in lane order and b
 group (each cp rank places the rows its positions hold: model.place_images). Backward runs the links in reverse,
 without a header (both leaders recorded the row counts): the language leader sums the gradient over cp and sends
 each link its slice; the vision leader broadcasts it in its tp group, and every vision tp rank runs
-rows.backward(grad). Colocated, send keeps the rows and recv returns that very tensor (autograd flows straight into
-the encoder); send_grad and backward_encoder do nothing.
+rows.backward(grad). In place (colocated, the same lanes), send keeps the rows and recv returns that very tensor
+(autograd flows straight into the encoder); send_grad and backward_encoder do nothing.
 
   vision ranks:    bridge.send(rows, rows_per_sample)     # rows [R, D] of this lane's samples, in sample order
                    bridge.backward_encoder()              # the oldest in flight: its gradient, rows.backward
   language ranks:  x, rows_per_sample = bridge.recv()     # [R_lane, D], a leaf requiring grad, same on all tp
                    ... loss.backward(); bridge.send_grad()
-The NCCL rules (§9): every transfer is a batch on the bridge group's one communicator; every link is opened in both
-directions when the Bridge is built (set-up, where all leaders meet), since a pair's first transfer blocks the host;
-transfers between two ranks run in the order posted, so the encoder posts the receive of gradient m before the send
-of micro-batch m + p (p = lm_pp: the language leader, on the first pipeline stage, sends gradient m before it
-receives m + p; docs/pipeline.md). A text-only micro-batch still sends one header per link; its 0-row payload and
-gradient are posted by neither side (both know the size).
+The NCCL rules (§9, schedule.py's rounds; p = lm_pp), one path for separate and shared ranks. Every transfer is a
+batch on the bridge group's one communicator, and every link is opened in set-up (comm.open_pairs): a pair's first
+transfer blocks the host. In round k the encoder leader posts the receive of gradient k - p, then the rows of k
+(header and payload); the language leader (stage 0) the headers of k, then the payloads (sized by the headers), and
+after its backward the gradient of k - p + 1, before its next signal check. So both ranks of a pair post one
+sequence, rows k, gradient k - p + 1, rows k + 1, and a rank waits only for what its peer posted in that round or
+earlier. Sends are waited for late, the rows at their backward, a gradient at the next one's send (or release): on
+shared ranks the encoder receives it after the next signal check and encode, collectives this rank joins first. A
+pair carries rows one way only: hetero ranks hold one side, and colocated the vision leader is the last rank of its
+lane, the language leader the first of its, so rows go to a lower rank or stay (a copy). Where one rank's stream
+holds both sides, a receive queued behind its own sends waits on lower ranks for rows, higher ones for gradients:
+chains that end. Not one batch per pair and round as in pipeline.py: the payload's size comes in its header, a
+gradient exists only after the backward and leaves before the check a vision-only rank passes after its round, and
+the gradient receive batched with the sends would be one NCCL work with them, holding the encoder backward until
+the language side took the new rows. A text-only micro-batch still sends one header per link; its 0-row payload
+and gradient are posted by neither side (both know the size).
 """
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+import comm
 from parallel import lane_samples, lanes, lm_grid, vision_grid
 
 
@@ -54,7 +65,7 @@ def bridge_links(lay):
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)   # header code = index
-TAG_HEADER, TAG_PAYLOAD, TAG_GRAD, TAG_OPEN = 101, 102, 103, 104           # gloo matches by tag: payloads never cross
+TAG_HEADER, TAG_PAYLOAD, TAG_GRAD = 101, 102, 103   # gloo matches by tag: payloads never cross
 
 
 class Bridge:
@@ -68,8 +79,6 @@ class Bridge:
         links = [] if self.in_place else bridge_links(self.lay)
         self.out_links = [ln for ln in links if ln.src_leader == par.rank]   # non-empty on encoder leaders only
         self.in_links = [ln for ln in links if ln.dst_leader == par.rank]    # non-empty on language leaders only
-        # shared ranks, each module its own lanes: a rank that receives rows posts its sends with its receives
-        self.defer = self.lay.colocated and not self.in_place and bool(self.in_links)
         if par.vision is not None:
             self.vision_leader = lanes(vision_grid(self.lay))[par.vision.dp_rank][-1]
             self.vision_first = lane_samples(self.lay, "vision", par.vision.dp_rank).start
@@ -80,45 +89,24 @@ class Bridge:
         self._held = []                        # language, oldest first: (rows received, rows per link) until
         #                                        send_grad
         self._flight = []                      # encoder, oldest first: [rows, rows per link, send reqs, grad recv]
-        self._later = {TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # deferred sends, posted with the receives
-        self._mail = {TAG_OPEN: [], TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # sends to this rank itself
-        if self.out_links or self.in_links:
-            self._open()
+        self._grad_sent = []                   # language: the last gradient send's requests (send_grad says why)
+        self._mail = {TAG_HEADER: [], TAG_PAYLOAD: [], TAG_GRAD: []}   # sends to this rank itself
+        peers = {ln.dst_leader for ln in self.out_links} | {ln.src_leader for ln in self.in_links}
+        comm.open_pairs(sorted(peers - {par.rank}), par.bridge, self.device)   # set-up: every bridge leader is here
 
-    def _post(self, ops):
-        """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch -> its requests. A link whose
-        two leaders are this rank (shared ranks) is a copy: its send and receive are in one batch, sends first."""
-        for op, t, peer, tag in sorted(ops, key=lambda o: o[0] is dist.irecv):
+    def _post(self, ops, wait=True):
+        """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch (comm.p2p) -> its requests,
+        waited for unless wait=False. A link whose two leaders are this rank is a copy: its send comes first (the
+        encoder's side of a round runs before the language side's; a gradient before the backward that takes it)."""
+        for op, t, peer, tag in ops:
             if peer == self.par.rank and op is dist.isend:
                 self._mail[tag].append(t)
             elif peer == self.par.rank:
                 t.copy_(self._mail[tag].pop(0))
-        ops = [dist.P2POp(op, t, peer, group=self.par.bridge, tag=tag) for op, t, peer, tag in ops
-               if t.numel() and peer != self.par.rank]
-        return dist.batch_isend_irecv(ops) if ops else []   # 0 rows (text only): both sides know, neither posts
-
-    def _exchange(self, tag, ops):
-        """Post this rank's deferred sends of kind `tag` with `ops` as one batch and wait for it: on shared ranks a
-        send in a batch of its own could wait for a receive queued behind the peer's own send (docs/parallel.md §9)."""
-        ops, self._later[tag] = self._later[tag] + ops, []
-        for r in self._post(ops):
+        reqs = comm.p2p([o for o in ops if o[2] != self.par.rank], self.par.bridge)
+        for r in reqs if wait else ():
             r.wait()
-
-    def _open(self):
-        """Every link of this leader, both directions, one element each: the connections NCCL sets up on a pair's
-        first transfer are made here, where every leader of the bridge group takes part (NCCL needs them all in the
-        group's first batch), not mid-step where the peer may be waiting in another operation."""
-        ops = []
-        for ln in self.out_links:
-            ops += [(dist.isend, torch.zeros(1, device=self.device), ln.dst_leader, TAG_OPEN),
-                    (dist.irecv, torch.zeros(1, device=self.device), ln.dst_leader, TAG_OPEN)]
-        for ln in self.in_links:
-            ops += [(dist.irecv, torch.zeros(1, device=self.device), ln.src_leader, TAG_OPEN),
-                    (dist.isend, torch.zeros(1, device=self.device), ln.src_leader, TAG_OPEN)]
-        for r in self._post(ops):
-            r.wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return reqs
 
     @property
     def in_flight(self):
@@ -142,8 +130,8 @@ class Bridge:
             self._flight.append([rows, None, [], None])
             self.sent += 1
             return
-        if len(self._flight) == self.depth and self._flight[0][3] is None and not self.defer:
-            self._flight[0][3] = self._post_grad_recv(self._flight[0])   # before this send: see the comment above
+        if len(self._flight) == self.depth:   # the gradient receive before this send: see the comment above
+            self._flight[0][3] = self._post_grad_recv(self._flight[0])
         first = self.vision_first              # out_links is empty on the non-leader tp ranks: they send nothing
         link_counts = [counts[ln.samples.start - first: ln.samples.stop - first] for ln in self.out_links]
         splits = [sum(c) for c in link_counts]
@@ -153,32 +141,26 @@ class Bridge:
             header = torch.tensor([self.sent, DTYPES.index(rows.dtype), len(chunk), rows.shape[1], *c],
                                   dtype=torch.int64, device=rows.device)
             ops += [(dist.isend, header, ln.dst_leader, TAG_HEADER), (dist.isend, chunk, ln.dst_leader, TAG_PAYLOAD)]
-        for op in ops if self.defer else ():   # posted with this rank's receives of the micro-batch (recv)
-            self._later[op[3]].append(op)
-        self._flight.append([rows, splits, [] if self.defer else self._post(ops), None])
+        self._flight.append([rows, splits, self._post(ops, wait=False), None])
         self.sent += 1
 
-    def _post_grad_recv(self, entry, post=True):
-        """(the gradient slices of the micro-batch's links, their receives: posted, or with post=False the ops)."""
+    def _post_grad_recv(self, entry):
+        """(the gradient slices of the micro-batch's links, their posted receives)."""
         parts = [entry[0].new_empty(n, entry[0].shape[1]) for n in entry[1]]
-        ops = [(dist.irecv, p, ln.dst_leader, TAG_GRAD) for ln, p in zip(self.out_links, parts)]
-        return parts, self._post(ops) if post else ops
+        return parts, self._post([(dist.irecv, p, ln.dst_leader, TAG_GRAD) for ln, p in zip(self.out_links, parts)],
+                                 wait=False)
 
     def backward_encoder(self):
         """For the oldest microbatch in flight: receive d(loss)/d(rows), share it in the lane's tp group, run
-        rows.backward(grad). Returns the gradient (None when colocated: the language loss.backward() already
+        rows.backward(grad). Returns the gradient (None in place: the language loss.backward() already
         reached the encoder)."""
         assert self._flight, "backward_encoder without send"
         entry = self._flight.pop(0)
         rows, send_reqs, recv = entry[0], entry[2], entry[3]
         if self.in_place:
             return None
-        if self.defer:                         # this rank's gradient sends of it too, in one batch
-            parts, ops = self._post_grad_recv(entry, post=False) if self.out_links else ([], [])
-            self._exchange(TAG_GRAD, ops)
-            grad = torch.cat(parts) if self.out_links else rows.new_empty(rows.shape)
-        elif self.out_links:                   # leader: one slice per link, concatenated in link (= sample) order
-            parts, recv_reqs = recv if recv is not None else self._post_grad_recv(entry)
+        if self.out_links:                     # leader: one slice per link, concatenated in link (= sample) order
+            parts, recv_reqs = recv or self._post_grad_recv(entry)
             for r in send_reqs + recv_reqs:
                 r.wait()
             grad = torch.cat(parts)
@@ -191,11 +173,11 @@ class Bridge:
         return grad
 
     def release(self):
-        """End forward-only micro-batches (evaluation) on either side: no gradient travels back."""
-        for entry in self._flight:
-            for r in entry[2]:
-                r.wait()
-        self._flight, self._held, self._pass = [], [], None
+        """End a step, or forward-only micro-batches (evaluation), on either side: this rank's sends are waited for,
+        what is held without a gradient to come is dropped."""
+        for r in [r for entry in self._flight for r in entry[2]] + self._grad_sent:
+            r.wait()
+        self._flight, self._held, self._grad_sent, self._pass = [], [], [], None
 
     # ---- language side ---------------------------------------------------------------------------------------
     def recv(self):
@@ -208,15 +190,13 @@ class Bridge:
             return rows, counts
         if self.in_links:                      # leader: all headers, then all payloads, links in lane order
             headers = [torch.empty(4 + len(ln.samples), dtype=torch.int64, device=self.device) for ln in self.in_links]
-            self._exchange(TAG_HEADER, [(dist.irecv, h, ln.src_leader, TAG_HEADER)
-                                        for ln, h in zip(self.in_links, headers)])
+            self._post([(dist.irecv, h, ln.src_leader, TAG_HEADER) for ln, h in zip(self.in_links, headers)])
             flat = torch.cat(headers).cpu()                                 # one device->host copy for all links
             heads = [h.tolist() for h in flat.split([len(h) for h in headers])]
             assert all(h[0] == self.received for h in heads), f"microbatch {self.received} got headers {heads}"
             code, hidden = heads[0][1], heads[0][3]
             parts = [torch.empty(h[2], hidden, dtype=DTYPES[code], device=self.device) for h in heads]
-            self._exchange(TAG_PAYLOAD, [(dist.irecv, p, ln.src_leader, TAG_PAYLOAD)
-                                         for ln, p in zip(self.in_links, parts)])
+            self._post([(dist.irecv, p, ln.src_leader, TAG_PAYLOAD) for ln, p in zip(self.in_links, parts)])
             x = torch.cat(parts)
             splits = [h[2] for h in heads]
             head = [self.received, code, len(x), hidden, *[c for h in heads for c in h[4:]]]
@@ -237,8 +217,8 @@ class Bridge:
 
     def send_grad(self):
         """After the language backward of the oldest held: the leader returns each link its slice of x.grad (zeros
-        if x got none),
-        summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp ranks agree)."""
+        if x got none), summed over the lane's cp ranks (each holds the gradient of the rows its positions hold; tp
+        ranks agree)."""
         if self.in_place:
             return
         assert self._held, "send_grad without recv"
@@ -247,10 +227,8 @@ class Bridge:
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         if m.cp_size > 1 and m.tp_rank == 0:
             dist.reduce(grad, dst=self.lm_leader, group=m.cp)
-        ops = [(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
-               for ln, g in zip(self.in_links, grad.detach().split(splits) if self.in_links else [])]
-        if self.defer:   # posted with this rank's gradient receives (backward_encoder)
-            self._later[TAG_GRAD] += ops
-        else:
-            for r in self._post(ops):
-                r.wait()
+        for r in self._grad_sent:   # a micro-batch late: shared, the encoder receives after the next check and encode
+            r.wait()
+        self._grad_sent = self._post([(dist.isend, g.contiguous(), ln.src_leader, TAG_GRAD)
+                                      for ln, g in zip(self.in_links, grad.detach().split(splits) if self.in_links
+                                                       else [])], wait=False)

@@ -190,6 +190,25 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def p2p(ops, group):
+    """[(dist.isend or dist.irecv, tensor, peer's global rank, tag)] as one batch on `group` -> its requests; the
+    caller waits (its line is what the watchdog names). One batch, never a lone send: that would make a 2-rank NCCL
+    communicator mid-step (docs/parallel.md §9). An empty tensor is not posted: both sides know its size."""
+    ops = [dist.P2POp(op, t, peer, group=group, tag=tag) for op, t, peer, tag in ops if t.numel()]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def open_pairs(peers, group, device):
+    """One element each way with every peer, one batch: NCCL connects a pair host against host on its first
+    transfer, so that runs here in set-up, where every rank of `group` posts this (NCCL wants them all in a group's
+    first batch), not mid-step where the peer may wait elsewhere (docs/parallel.md §9)."""
+    for r in p2p([(op, torch.zeros(1, device=device), peer, 0) for peer in peers for op in (dist.isend, dist.irecv)],
+                 group):
+        r.wait()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def on_every_rank(fn, *args, **kwargs):
     """fn(...) on every rank; a one-line error (SystemExit) on any rank ends every rank with it, rather than one
     rank exiting and the others waiting in their next collective (a corrupt rank json is read by its rank only).

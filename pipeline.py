@@ -15,9 +15,10 @@ runs here in set-up, where every stage meets; the shapes and dtype are known on 
 import torch
 import torch.distributed as dist
 
+import comm
 import vlm
 
-TAG_ACT, TAG_GRAD, TAG_OPEN = 201, 202, 203   # gloo matches by tag: a pair's two directions never cross
+TAG_ACT, TAG_GRAD = 201, 202   # gloo matches by tag: a pair's two directions never cross
 
 
 class Pipe:
@@ -34,25 +35,15 @@ class Pipe:
         self.shape = (lay.micro_batch, cfg.seq_len // lay.lm_cp, cfg.hidden_size)
         self.device = torch.device(device)
         self.dtype = vlm.compute_dtype(self.device)
-        if self.stages > 1:   # each pair's first transfer, both ways, in one batch of every rank of the group
-            self._post([(op, torch.zeros(1, device=device), peer, TAG_OPEN) for peer in (self.up, self.down)
-                        if peer is not None for op in (dist.isend, dist.irecv)])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-    def _post(self, ops):
-        """[(dist.isend or dist.irecv, tensor, peer, tag)] as one batch, waited for (on CUDA the stream waits, not
-        the host)."""
-        if ops:
-            for r in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group=self.group, tag=tag)
-                                             for op, t, peer, tag in ops]):
-                r.wait()
+        if self.stages > 1:
+            comm.open_pairs([peer for peer in (self.up, self.down) if peer is not None], self.group, device)
 
     def _trade(self, peer, sends, send_tag, count, recv_tag):
         """Send `sends` to `peer` and receive `count` tensors from it, in one batch -> the received (or None)."""
         got = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(count)]
-        self._post([(dist.isend, t.detach().to(self.dtype).contiguous(), peer, send_tag) for t in sends or ()]
-                   + [(dist.irecv, t, peer, recv_tag) for t in got])
+        for r in comm.p2p([(dist.isend, t.detach().to(self.dtype).contiguous(), peer, send_tag) for t in sends or ()]
+                          + [(dist.irecv, t, peer, recv_tag) for t in got], self.group):
+            r.wait()   # over NCCL the stream waits, not the host
         return got or None
 
     def trade_up(self, grads, receive, mtp):

@@ -2,18 +2,18 @@
 docs/pipeline.md).
 
 Training is 1F1B over the bridge and the language model's pipeline stages. With p stages (lm_pp; 1 without a
-pipeline), stage s of p runs p - 1 - s forwards ahead of its first backward, and the encoder p ahead of its. In
-round k of the n micro-batches:
+pipeline), stage s of p runs p - 1 - s forwards ahead of its first backward, and the encoder p ahead of its (the
+warm-up). In round k of the n micro-batches (the steady state, once both are due):
   vision ranks     encode k, send its rows; the backward of k - p
   stage s          receive k (stage 0: the rows, over the bridge; else the previous stage's output, in one batch
                    with the gradient of its last backward going back); forward k; send its output on (in one batch
                    with the receive of the gradient of k - (p - 1 - s)); that micro-batch's backward; stage 0 sends
                    the gradient of its rows back over the bridge
-then rounds n .. n + p - 1 drain the backwards still due (the cool-down). So the encoder's forward of k + 1 overlaps
-the language side's work on k, and every stage works on a micro-batch of its own. Colocated (both modules on every
-rank), the same lines run one after the other; in place (p = 1, the same lanes) the bridge hands the rows over in
-memory and the language backward reaches the encoder itself. An evaluation runs forward only, micro-batch by
-micro-batch, nothing travelling back.
+then rounds n .. n + p - 1 drain the backwards still due (the cool-down). So the encoder's forward of k + 1
+overlaps the language side's work on k, and every stage works on a micro-batch of its own. Colocated (both modules
+on every rank), the same lines run one after the other; in place (p = 1, the same lanes) the bridge hands the rows
+over in memory and the language backward reaches the encoder itself. An evaluation runs forward only, micro-batch
+by micro-batch, nothing travelling back.
 
 The no-deadlock rule (docs/parallel.md §9): a rank may block its host only in an operation that every rank it waits
 for reaches next without first waiting on it. NCCL blocks the host where gloo does not (a communicator's set-up, a
@@ -26,8 +26,8 @@ pair's first transfer, a device sync), so only runs over NCCL show a violation; 
   side sent them before its check, and returns a zero gradient for every micro-batch it holds, one before each of the
   encoder's backwards that waits for it; the stages drop their graphs (their pending transfers were to be posted in
   round k, by both sides). failsafe.abandon_step then undoes the rest of the step.
-- The bridge and the pipe order their own transfers (bridge.py, pipeline.py: links opened in set-up; one batch per
-  pair and round; the gradient receive of m posted before the send of m + p).
+- The bridge and the pipe order their own transfers (bridge.py, pipeline.py: links opened in set-up; between stages
+  one batch per pair and round; over the bridge the gradient receive of m posted before the rows of m + p).
 """
 import torch
 
@@ -47,40 +47,49 @@ class Schedule:
     def train(self, n_micro, encode, language, stop, mark, mtp=False):
         """One step's micro-batches with their backward -> [LossParts] of this rank's language lane on the last
         stage ([] elsewhere), or None when a signal stopped the step (every rank agreeing; nothing left in flight).
-        mtp: the decoder input travels beside the residual stream (the last stage's MTP blocks read it)."""
-        bridge, pipe, out, p = self.bridge, self.pipe, [], self.bridge.depth
-        ahead = p - 1 - pipe.stage if language else 0   # this stage's forwards before its first backward
-        held, up = [], None   # (inputs, outputs) of forwards whose backward is due; the last backward's input grads
-        for k in range(n_micro + p):
-            if k < n_micro:
-                mark(k)
-                if language and stop():
-                    break
-            if encode:
-                if k < n_micro:
-                    bridge.send(*encode(k))
-                if 0 <= k - p < n_micro:
-                    bridge.backward_encoder()
+        mtp: the decoder input travels beside the residual stream (the last stage's MTP blocks read it). A stage
+        trades alike in every round (one batch per pair); its phase says whether its forward and backward run."""
+        bridge, pipe, p = self.bridge, self.pipe, self.bridge.depth
+        out, held, up = [], [], None   # held: (inputs, outputs) awaiting backward; up: their input grads, sent next
+
+        def stage(k):
+            nonlocal up
+            ahead = p - 1 - pipe.stage                 # forwards before the first backward (the warm-up)
+            forward, backward = k < n_micro, ahead <= k < n_micro + ahead   # the backward of k - ahead
+            received = None if pipe.first else pipe.trade_up(up, forward, mtp)
+            if forward:
+                parts, result = language(k, *(bridge.recv() if pipe.first else (None, None)), received)
+                if pipe.last:
+                    out.append(parts)
+                held.append((received, [result] if pipe.last else result))
+            grads = None if pipe.last else pipe.trade_down(result if forward else None, backward, mtp)
+            up = None
+            if backward:
+                inputs, outputs = held.pop(0)
+                torch.autograd.backward(outputs, grads)
+                if pipe.first:
+                    bridge.send_grad()
+                else:
+                    up = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+
+        def run(k):                                    # round k of each module this rank holds
+            if encode and k < n_micro:
+                bridge.send(*encode(k))
+            if encode and k >= p:
+                bridge.backward_encoder()              # of k - p
             if language:
-                due = 0 <= k - ahead < n_micro   # the backward of micro-batch k - ahead runs this round
-                received = None if pipe.first else pipe.trade_up(up, k < n_micro, mtp)
-                if k < n_micro:
-                    rows = bridge.recv() if pipe.first else (None, None)
-                    parts, result = language(k, *rows, received)
-                    if pipe.last:
-                        out.append(parts)
-                    held.append((received, [result] if pipe.last else result))
-                grads = None if pipe.last else pipe.trade_down(result if k < n_micro else None, due, mtp)
-                up = None
-                if due:
-                    inputs, outputs = held.pop(0)
-                    torch.autograd.backward(outputs, grads)
-                    if pipe.first:
-                        bridge.send_grad()
-                    else:
-                        up = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-            if encode and not language and k < n_micro and stop():
+                stage(k)
+
+        for k in range(n_micro):                       # the warm-up and the steady state
+            mark(k)
+            if language and stop():                    # a language rank checks before its round
                 break
+            run(k)
+            if encode and not language and stop():     # a vision-only rank after it
+                break
+        else:
+            for k in range(n_micro, n_micro + p):      # the cool-down
+                run(k)
         if stop.agreed:
             if language and not encode and pipe.first:
                 with torch.no_grad():   # the rows the vision side sent before its check
@@ -90,6 +99,7 @@ class Schedule:
                     bridge.send_grad()
                 else:
                     bridge.backward_encoder()
+        bridge.release()
         return None if stop.agreed else out
 
     def evaluate(self, n_micro, encode, language, stop, mark):

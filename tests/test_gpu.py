@@ -462,7 +462,7 @@ HETERO_LAYOUTS = [
     _on(4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-cp", "2", "--lm-dp", "1"], "vtp2|lcp2"),
     _on(4, ["--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2", "--lm-ep", "2",
             "--moe-dispatcher", "deepep"], "vtp2|ldp2-ep2-deepep"),
-    # shared ranks, each module its own lanes: rows between leaders (one batch for a rank's sends and receives)
+    # shared ranks, each module its own lanes: rows between leaders, in the hetero order (bridge.py)
     _on(2, ["--colocated", "--vision-tp", "2", "--vision-dp", "1", "--lm-tp", "1", "--lm-dp", "2"], "shared:vtp2|ldp2"),
     _on(4, ["--colocated", "--vision-tp", "1", "--vision-dp", "4", "--lm-tp", "2", "--lm-dp", "2", "--lm-ep", "4",
             "--micro-batch", "2"], "shared:vdp4|ltp2-dp2-ep4"),

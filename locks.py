@@ -18,11 +18,9 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF)
 
 
 class Hold:
-    """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
-    however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
-    refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
-    finds it unlinked and takes a new one), then the directories hold() created that are empty (`made`, deepest
-    first): a refused run, or one that failed before it wrote anything there, leaves none behind."""
+    """A save directory held by this process (flock on DIR/.lock, whose text names the holder). release() removes
+    the file, then drops the lock (in that order: a run that opened the file meanwhile finds it unlinked and takes
+    a new one), then the empty directories hold() created (`made`, deepest first): a refused run leaves none."""
 
     def __init__(self, path, fd, made):
         self.path, self.fd, self.made = path, fd, made
@@ -43,8 +41,7 @@ class Hold:
 
 def hold(root, command):
     """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
-    it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
-    naming that holder."""
+    it -> Hold; `command`: the line, named to a run it refuses."""
     path, made = os.path.join(root, LOCK_NAME), []
     try:
         while True:
@@ -159,8 +156,8 @@ def prune(root, names):
 
 
 def _lock(fd, how):
-    """flock(fd, how) -> whether it is locked; True on a file system without locks (a reader then is not safe from
-    a prune: docs/checkpoints.md §4), False when another process holds it (LOCK_NB)."""
+    """flock(fd, how) -> whether it is locked; True on a file system without locks (nothing to wait for), False
+    when another process holds it (LOCK_NB)."""
     try:
         fcntl.flock(fd, how)
     except OSError as e:

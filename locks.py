@@ -50,19 +50,16 @@ def hold(root, command):
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:   # removed by a run that had created it and was refused meanwhile
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in NO_LOCKS:
-                    print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
-                          "would not be refused", flush=True)
-                    break
-                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise
+            locked = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if locked is False:
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "its holder is starting"
                 os.close(fd)
                 raise SystemExit(f"--save {root} is in use by another run ({holder}). Wait for it to end, or "
-                                 "choose another --save") from None
+                                 "choose another --save")
+            if locked is not True:
+                print(f"--save {root}: its file system does not lock files ({locked}): a second run on it would not "
+                      "be refused", flush=True)
+                break
             if _same_file(fd, path):
                 break
             os.close(fd)   # released by its holder after we opened it: take the file that is there now
@@ -156,8 +153,8 @@ def prune(root, names):
 
 
 def _lock(fd, how):
-    """flock(fd, how) -> whether it is locked; True on a file system without locks (nothing to wait for), False
-    when another process holds it (LOCK_NB)."""
+    """flock(fd, how) -> True when locked, False when another process holds it (LOCK_NB), the error's text on a
+    file system without locks (true too: nothing to wait for)."""
     try:
         fcntl.flock(fd, how)
     except OSError as e:
@@ -165,4 +162,5 @@ def _lock(fd, how):
             return False
         if e.errno not in NO_LOCKS:
             raise
+        return e.strerror or str(e)
     return True

@@ -67,9 +67,7 @@ def sync():
 def figures(name, dt, mem, flops, tokens, peak):
     tflops = flops / dt / 1e12
     out = {"part": name, "ms": dt * 1e3, "tflops": tflops, "mfu": tflops / peak if peak else None,
-           "peak_mem_gib": mem}
-    if tokens:
-        out["tokens_per_s"] = tokens / dt
+           "peak_mem_gib": mem, "tokens_per_s": tokens / dt}
     print_row(out)
     return out
 
@@ -161,8 +159,7 @@ def cuda_graphed(fn, warmup):
 def bench_hf(cfg, args, dev, peak):
     from transformers import NemotronHConfig, NemotronHForCausalLM
     from hf_interop import hf_config
-    hf_cfg = NemotronHConfig(**hf_config(cfg), attn_implementation="sdpa",
-                             experts_implementation="grouped_mm")
+    hf_cfg = NemotronHConfig(**hf_config(cfg), attn_implementation="sdpa", experts_implementation="grouped_mm")
     hf = NemotronHForCausalLM(hf_cfg).to(dev, torch.bfloat16).train()
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), device=dev)
 
@@ -172,8 +169,7 @@ def bench_hf(cfg, args, dev, peak):
 
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     tokens = args.batch * cfg.seq_len
-    out = figures("hf_lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len), tokens, peak)
-    return out
+    return figures("hf_lm", dt, mem, tokens * model.lm_flops_per_token(cfg, cfg.seq_len), tokens, peak)
 
 
 def bench_layer(kind, cfg, args, dev, peak):
@@ -227,7 +223,6 @@ def bench_vision(cfg, args, dev, peak):
     vision = VisionModel(cfg).to(dev)
     side = cfg.mock_image_size // cfg.vit_patch
     patches = torch.randn(side * side, 3 * cfg.vit_patch ** 2, device=dev)
-
     opt = as_trained(vision, dev)
 
     def fwd_bwd():
@@ -239,8 +234,7 @@ def bench_vision(cfg, args, dev, peak):
     dt, mem = timed(fwd_bwd, args.iters, args.warmup)
     if args.profile:
         profile(fwd_bwd, "vision")
-    out = figures("vision", dt, mem, radio.flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
-    return out
+    return figures("vision", dt, mem, radio.flops(cfg, [(side, side)], tower_trains=True), side * side, peak)
 
 
 def train_steps(argv, peak):
@@ -254,10 +248,8 @@ def train_steps(argv, peak):
 
 def bench_train(args, rest, part, peak):
     """`train` or `bridge` (see the module docstring): two runs of train.py's steps in one process group."""
-    os.environ.setdefault("MASTER_ADDR", "localhost")   # a lone `python bench.py`: a group of one
-    os.environ.setdefault("MASTER_PORT", "29511")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    for key, value in (("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)   # a lone `python bench.py`: a group of one
     if part == "bridge" and int(os.environ["WORLD_SIZE"]) < 2:
         raise SystemExit("--parts bridge needs a hetero layout: torchrun --nproc_per_node=2 (or more) bench.py ...")
     if torch.cuda.is_available():
@@ -288,8 +280,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="per part: CUDA time by kernel kind and the top kernels of one call")
     p.add_argument("--out", default=None, help="markdown report to write (e.g. bench/2026-11-22-h100.md)")
-    p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 --lm-dp 1 "
-                   "--mock-image-size 1024 --stage 3 --global-batch 16'")
+    p.add_argument("--train-args", default="", help="train and bridge parts: train.py flags, e.g. '--vision-dp 1 "
+                   "--lm-dp 1 --mock-image-size 1024 --stage 3 --global-batch 16'")
     args, rest = p.parse_known_args(argv)
     cfg, overrides = cli.config_of(["--preset", args.preset] + rest), " ".join(rest)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -317,7 +309,7 @@ def main(argv=None):
             results[part] = bench_vision(cfg, args, dev, peak)
         else:
             raise SystemExit(f"unknown part {part!r}")
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        torch.cuda.empty_cache()   # a no-op without CUDA
     if args.vs_hf:
         results["hf_lm"] = bench_hf(cfg, args, dev, peak)
         if "lm" in results:

@@ -1,32 +1,20 @@
-"""Checkpoints: save, bit-exact resume, async save and resharding for any training layout. One format, written by
-training (sharded) and by the offline tools (full tensors: save_model; hf_interop.py's import-hf).
+"""Checkpoints: save (sync or async), bit-exact resume and resharding for any layout; one format, written by
+training (sharded) and by the offline tools (full tensors: save_model). Who may use a directory: locks.py.
 
-  DIR/latest             "step_00000006", written last and atomically (tmp + fsync + rename)
-  DIR/.lock              while a run saves here: its flock and a line naming it (locks.hold); removed when it ends
-  DIR/.pruning.step_N    a step --keep-last is deleting, renamed aside first (locks.prune)
+  DIR/latest             "step_00000006", written last (write_atomic)
   DIR/step_00000006/
-    model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} for dense tensors (replicated ones
-                         and buffers such as the expert bias in tp0 only) or ep{e}-etp{x} for routed experts, after
-                         pp{s}- with pipeline stages (lm_pp > 1: each stage's files apart; the tensor's spec in
-                         meta.json names its stage). Full names ("language.backbone.…", the layers by their global
-                         index at any pp); written by the dp-rank-0 replica (edp 0 for experts) of each stage.
-    optim.{module}.{shard}.safetensors  AdamW state of trainable parameters, sharded like them: NAME.exp_avg,
-                         NAME.exp_avg_sq, NAME.step. Frozen parameters have none.
-    rank_00003.json      global rank 3: RNG states (python, numpy, torch CPU / CUDA) and its data-loader state
-    config.json          the run record: the whole Config of the run (resume.py restores it with --load)
-    tokenizer/           the run's HF tokenizer, a copy (absent for the byte-level one)
-    source/              the HF directory the run started from, what export-hf carries through (hf_interop.py)
-    meta.json            written after every rank's files, so without it a step is an interrupted save: counters
-                         (step, good_steps, consumed_samples, skipped; the LR schedule is a function of them and of
-                         the Config), the run's lineage (resume.py), layout, data position of every language lane,
-                         every tensor's full shape / dtype / sharding, every file's tensors with their crc32.
-Loading assembles a tensor from the saved slices (comm.unshard; the saving layout is in meta.json) and keeps this
-rank's slice (comm.take_shard): any layout loads any other, and with an unchanged layout a rank reads only its own
-files. Every read is checked (file, tensor, shape, dtype, crc32; model config): errors name the file and the tensor.
-A run resumes from the newest complete step (`newest`), no command deletes a complete step (a save replaces only an
-interrupted save's leftover of its own step), one run at a time holds a save directory and a reader pins the step
-it reads against --keep-last pruning (`pin`; locks.py): docs/checkpoints.md §4. HF NemotronH export and import:
-hf_interop.py.
+    model.{module}.{shard}.safetensors  module: vision | language; shard: tp{t} (replicated tensors in tp0 only) or
+                         ep{e}-etp{x} for routed experts, after pp{s}- at lm_pp > 1. Full names, layers by global
+                         index; written by dp rank 0 (edp 0 for experts) of each stage.
+    optim.{module}.{shard}.safetensors  AdamW state of trained parameters: NAME.exp_avg, NAME.exp_avg_sq, NAME.step
+    rank_00003.json      global rank 3's RNG states and data-loader state
+    config.json          the run record: the whole Config (resume.py)
+    tokenizer/, source/  the run's HF tokenizer; the HF files export-hf carries through (hf_interop.copy_source)
+    meta.json            written last, so without it a step is an interrupted save: counters, lineage, layout, the
+                         lanes' data positions, every tensor's full shape / dtype / sharding (and stage), every file's
+                         tensors with their crc32
+A load assembles each tensor from the saved slices and keeps this rank's (comm.take_shard), so any layout loads any
+other; every read is checked (file, tensor, shape, dtype, crc32), errors naming the file and the tensor.
 """
 import dataclasses
 import json
@@ -61,8 +49,7 @@ GRID_FIELDS = ("world", "colocated", "vision_tp", "vision_dp", "lm_tp", "lm_dp",
 # ---------------------------------------------------------------- names, slices, files
 
 def _shard_file(kind, name, shards, coords, stage=None):
-    """The file (kind: model | optim) holding the slice at `coords` of tensor `name`, sharded by `shards`, of
-    pipeline stage `stage` (None without stages: the files of pp 1 name none)."""
+    """The file (kind: model | optim) of tensor `name`'s slice at `coords`; stage None: pp 1, whose files name none."""
     kinds = {s[0] for s in shards}
     at = {k: coords.get(k, 0) if k in kinds else 0 for k in ("tp", "ep", "etp")}
     tag = f"ep{at['ep']}-etp{at['etp']}" if "ep" in kinds else f"tp{at['tp']}"
@@ -78,13 +65,6 @@ def _entries(par, modules):
             yield f"{prefix}.{name}", t, groups, coords, sizes
 
 
-def _model_names(cfg, modules):
-    """The full names of the whole model's tensors in `modules` (vision / language), whichever pipeline stage
-    this rank holds: the one-process model's, adapters included, built on the meta device."""
-    whole = memory.sizing_model(cfg)
-    return {f"{k}.{n}" for k in modules for n in whole[k].state_dict()}
-
-
 def dtype_name(t):
     return str(t.dtype).removeprefix("torch.")
 
@@ -94,8 +74,8 @@ def _crc(t):
 
 
 def write_atomic(path, obj):
-    """Atomic and durable: tmp file, fsync, rename, fsync the directory, so a reader sees the old file or the
-    whole new one. obj: {key: tensor} for *.safetensors, a str, or JSON data. (The crash test makes it hang.)"""
+    """Atomic and durable (tmp, fsync, rename, fsync the directory): a reader sees the old file or the whole new
+    one. obj: {key: tensor} for *.safetensors, a str, or JSON data."""
     tmp = path + ".tmp"
     if path.endswith(".safetensors"):
         save_file({k: v.contiguous() for k, v in obj.items()}, tmp, {"format": "pt"})
@@ -110,8 +90,9 @@ def write_atomic(path, obj):
     os.close(fd)
 
 
-def read_json(path, fix):
-    """A checkpoint's JSON file; missing or corrupt: one line naming it and `fix`."""
+def read_json(path, fix=None):
+    """A checkpoint's JSON file; missing or corrupt: one line naming it and `fix` (default: of a step's file)."""
+    fix = fix or f"restore it, or --load an earlier step of {os.path.dirname(os.path.dirname(path))}"
     try:
         with open(path) as f:
             return json.load(f)
@@ -122,7 +103,6 @@ def read_json(path, fix):
 
 
 def read_latest(root):
-    """The step directory that save directory `root`'s `latest` names, or None."""
     path = os.path.join(root, "latest")
     return open(path).read().strip() if os.path.exists(path) else None
 
@@ -149,18 +129,15 @@ def enclosing(path):
 # ---------------------------------------------------------------- save
 
 def _writes(t, m):
-    """Whether this rank writes tensor t of module groups m: one copy of each slice, the one of dp (and cp) rank 0
-    (edp 0 for experts) that comm.counted_in_replica picks among its tp / ep replicas."""
+    """Whether this rank writes tensor t of module groups m: one copy of each slice."""
     if comm.is_expert(t):
         return m.edp_rank == 0 and comm.counted_in_replica(t, m)
     return m.dp_rank == 0 and m.cp_rank == 0 and comm.counted_in_replica(t, m)
 
 
 def _snapshot(par, modules, opt, copy):
-    """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async)."""
-    # the distributed optimizer's state is sharded over dp: gathered (collective), with its fp32 main weights,
-    # which are then saved as the trained weights (the model's may be their bf16 rounding). Only the slices this
-    # rank writes (the copy the grad norm counts: dp / edp rank 0, one per slice) come to its CPU, as private copies
+    """This rank's unique slices as CPU tensors -> ({file: {key: tensor}}, {name: spec}). copy: clone (async).
+    Trained weights are saved from the optimizer's fp32 main weights (the model's may be their bf16 rounding)."""
     entries = [e for e in _entries(par, modules) if _writes(e[1], e[2])]
     states = opt.gather_state({id(e[1]) for e in entries})
     trained = {id(p) for p in opt.params()}
@@ -182,8 +159,8 @@ def _snapshot(par, modules, opt, copy):
 
 
 def rng_state():
-    """This process's RNG: python's, numpy's, torch's CPU and current CUDA device's (not the other devices': touching
-    them would create their contexts). A rank's checkpoint file keeps it; a stopped step restores it (failsafe.py)."""
+    """This process's RNG: python's, numpy's, torch's CPU and current CUDA device's (touching the other devices
+    would create their contexts)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -218,14 +195,11 @@ def _write_files(step_dir, files):
 
 
 class Saver:
-    """cfg.save/step_N when train.py asks (--save-every, the last step, a stop signal). Collective: all ranks call it
-    after the same step. Sync: save() returns with the checkpoint complete. Async: save() copies the tensors to CPU
-    and a thread writes them; after_step() commits once every rank is done (close() waits): meta.json, `latest`,
-    --keep-last pruning. At most one save in flight. A failed write (any rank, sync or async) ends the run on every
-    rank, naming the step directory and the cause, and `latest` stays. Every rank writes (its rank json), so every
-    rank checks at the start that it can write into it, and that the paths it will write fit its file system.
-    lineage: the run's sources (resume.py); run_files(step_dir): rank 0 writes the run's other files (tokenizer, HF
-    source) before the step is committed; run_names(): their paths in a step directory."""
+    """cfg.save/step_N, collective: every rank calls it after the same step. Async: save() copies the tensors to
+    CPU and a thread writes them; after_step() commits once every rank is done (close() waits). At most one save in
+    flight. A failed write on any rank ends the run on every rank and `latest` stays. Every rank checks at the start
+    that it can write there and that its paths fit the file system. run_files(step_dir): rank 0 writes the run's
+    other files (tokenizer, HF source) before the commit; run_names(): their paths."""
 
     def __init__(self, cfg, par, modules, opt, data=None, lineage=(), run_files=None, run_names=None):
         self.root, self.par, self.cfg, self.modules, self.opt, self.data = cfg.save, par, cfg, modules, opt, data
@@ -296,8 +270,8 @@ class Saver:
             thread.start()
 
     def _make_step_dir(self, step_dir):
-        """Rank 0: an interrupted save's leftover of this step is replaced; a complete step never is (resume.py
-        refuses lines that would save over one: only another run on this --save could have written it)."""
+        """Rank 0: an interrupted save's leftover of this step is replaced; a complete step never is (only another
+        run on this --save could have written it)."""
         if self.rank != 0:
             return None
         if complete(step_dir):
@@ -347,9 +321,8 @@ class Saver:
 
 
 def _check_lengths(root, step, names):
-    """The paths `names` (relative to step directory `step` of save directory `root`) fit the limits of root's file
-    system (PC_NAME_MAX, PC_PATH_MAX; measured absolute: write_atomic opens the directory so), or one line: before
-    the first step rather than in the first save."""
+    """The paths `names` in step directory `step` of `root` fit its file system's limits (absolute: write_atomic
+    opens them so), or one line: before the first step rather than in the first save."""
     size = lambda s: len(os.fsencode(s))   # noqa: E731
     try:
         name_max, path_max = (os.pathconf(root, k) for k in ("PC_NAME_MAX", "PC_PATH_MAX"))
@@ -368,8 +341,7 @@ def _check_lengths(root, step, names):
 
 
 def save_model(path, cfg, state_dict):
-    """Weights only, full tensors under full names ("language.…", "vision.…"), e.g. import-hf's output: no layout,
-    optimizer or RNG. load_model, export-hf and train.py --load [--finetune] read it like any checkpoint."""
+    """Weights only, full tensors under full names ("language.…", "vision.…"): no layout, optimizer or RNG."""
     files, specs = {}, {}
     for k, v in state_dict.items():
         if k.split(".", 1)[0] not in ("vision", "language"):
@@ -386,19 +358,17 @@ def save_model(path, cfg, state_dict):
 # ---------------------------------------------------------------- load
 
 def complete(step_dir):
-    """Whether a step directory holds a whole checkpoint (meta.json is written last)."""
     return os.path.exists(os.path.join(step_dir, META_NAME))
 
 
 def complete_steps(root):
-    """The names of the complete step directories of save directory `root`, oldest first."""
     return sorted(d for d in os.listdir(root) if STEP.fullmatch(d) and complete(os.path.join(root, d))) \
         if os.path.isdir(root) else []
 
 
 def newest(root):
-    """(the newest complete step directory of save directory `root`, or None; a note when it is not `latest`).
-    `latest` can lag (a save killed after its meta.json), never lead: the newest complete step is the run's."""
+    """(the newest complete step directory of `root` or None, a note when it is not `latest`): `latest` can lag
+    (a save killed after its meta.json), never lead."""
     steps = complete_steps(root)
     if not steps:
         return None, None
@@ -424,9 +394,8 @@ def resolve(path, say=None):
 
 
 def pin(path, say=None):
-    """resolve(path), pinned (locks.pin) until locks.unpin(): a run still saving into a save directory may prune
-    with --keep-last the step a reader chose. One pruned before its pin is chosen again: the newest complete step now
-    (a step directory given: gone, one line)."""
+    """resolve(path), pinned against --keep-last pruning until locks.unpin(); a step pruned before its pin is
+    chosen again."""
     while True:
         step_dir = resolve(path, say)
         if locks.pin(step_dir):
@@ -434,11 +403,10 @@ def pin(path, say=None):
 
 
 def saved_config(path, overrides=None):
-    """The Config of a checkpoint (save or step directory), with --FIELD overrides (train.py --eval-only); a record
-    of an earlier version as config.upgrade_record reads it."""
+    """The Config of a checkpoint (save or step directory), with --FIELD overrides."""
     step_dir = resolve(path)
     path = os.path.join(step_dir, CONFIG_NAME)
-    values = read_json(path, f"restore it, or --load an earlier step of {os.path.dirname(step_dir)}")
+    values = read_json(path)
     config.check_record(values, path)
     values = config.upgrade_record(values, path)
     unknown = set(values) - {f.name for f in dataclasses.fields(config.Config)}
@@ -448,13 +416,11 @@ def saved_config(path, overrides=None):
 
 
 class Reader:
-    """Tensors of one checkpoint, full or as a slice of any layout; every read checked against meta.json. Its step
-    is pinned (pin) until locks.unpin()."""
+    """Tensors of one checkpoint, full or as a slice of any layout; its step pinned until locks.unpin()."""
 
     def __init__(self, path):
         self.dir = pin(path)
-        self.meta = read_json(os.path.join(self.dir, META_NAME),
-                              f"restore it, or --load an earlier step of {os.path.dirname(self.dir)}")
+        self.meta = read_json(os.path.join(self.dir, META_NAME))
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{self.dir}/{META_NAME}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
         self.cfg, self.tensors, self.handles = saved_config(self.dir), self.meta["tensors"], {}
@@ -506,9 +472,8 @@ class Reader:
 
 
 def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, load_rng=True, finetune=False):
-    """Load a checkpoint (a path, or a source that reads alike: hf_interop.HFSource) of any layout into this rank's
-    modules, AdamW state, RNG and data state -> counters (FRESH with finetune: weights only). No collectives: each
-    rank reads what it needs."""
+    """Load a checkpoint (a path, or a source that reads alike: hf_interop.HFSource) into this rank's modules, AdamW
+    state, RNG and data state -> counters (FRESH with finetune: weights only). No collectives."""
     r = path if hasattr(path, "read") else Reader(path)
     rank, lay = dist.get_rank(), par.layout
     say = (lambda msg: print(f"checkpoint: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
@@ -522,7 +487,9 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     entries = [e for e in _entries(par, modules) if e[0].split(".", 1)[0] not in absent
                and (e[0] in r.tensors or "lora_" not in e[0])]   # LoRA on a base checkpoint: adapters start fresh
     # against the whole model: a pipeline stage's modules hold their stage's part, the checkpoint all of it
-    extra = sorted(set(n for n in r.tensors if n.split(".", 1)[0] in modules) - _model_names(cfg or r.cfg, modules))
+    whole = memory.sizing_model(cfg or r.cfg)
+    extra = sorted({n for n in r.tensors if n.split(".", 1)[0] in modules}
+                   - {f"{k}.{n}" for k in modules for n in whole[k].state_dict()})
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
     params = opt.params() if opt is not None else []
@@ -595,8 +562,8 @@ def check_tensors(state_dict, expected, source):
 
 
 def raise_errors(errors, shown=3):
-    """One ValueError, one line, naming the first offenders and how many there are (a checkpoint is often wrong in
-    many places at once: a config.json whose sizes are not its weights')."""
+    """One ValueError, one line, naming the first offenders and how many there are (a config.json whose sizes are
+    not its weights' is wrong in many places at once)."""
     if errors:
         more = f"; and {len(errors) - shown} more" if len(errors) > shown else ""
         raise ValueError(f"{len(errors)} checkpoint error(s): " + "; ".join(errors[:shown]) + more)

@@ -1,12 +1,7 @@
-"""Which layout a run takes, and whether a layout fits: the planner, apart from the grids (layout.py holds the
-layout and its checks; the memory plan is memory.py's, the predicted step cost.py's). train.py asks it with a
-rank's memory; the grids, the bridge and the data never import it.
-
-The choice (no grid flag given): of the candidates (candidates(): in place, each module its own lanes, hetero; the
-latter two also in pipeline stages) whose plan fits (memory.required), the one cost.py predicts the fastest step
-for, cp only where nothing without it fits. Fitting comes first because a layout that does not fit does not run;
-among those that do, the step time is what a user wants. The model and how far it holds: docs/layouts.md §1. A
-layout the flags name runs as named; where its plan exceeds the memory, one warning line says so.
+"""Which layout a run takes (docs/layouts.md §1): with no grid flag, of the candidates whose memory plan fits, the one
+cost.py predicts the fastest step for, cp only where nothing without it fits. Fitting comes first because a layout
+that does not fit does not run; among those that do, the step time is what a user wants. A layout the flags name
+runs as named, with one warning line where its plan exceeds the memory.
 """
 import dataclasses
 import math
@@ -21,17 +16,10 @@ MAX_PP = 8          # the most pipeline stages the chooser weighs: each more add
 
 
 def plan(cfg, world, capacity, cuda=True, say=lambda line: None, strict=True, load=None):
-    """The run's layout on `world` ranks for ranks of `capacity` bytes of memory, before any collective.
-
-    - No layout field given: the chosen layout (the module docstring; `say` gets one line: which and why), or a
-      SystemExit naming what would fit when none does (strict=False, the dry run: `say` what would and return the
-      closest).
-    - Any given: layout.plan's layout, its pipeline stages' layers moved where a stage would not fit (fit_split);
-      where its plan still exceeds `capacity`, `say` gets one warning line naming the plan and what would fit, and
-      it runs as named (the plan is an estimate; the run's peak is the fact).
-    cuda: plan CUDA's bytes (bf16 weights), else the CPU's (fp32). load: the data's tower load (data.tower_load;
-    None: the mock's), what the memory plan counts for the tower.
-    """
+    """The run's layout on `world` ranks of `capacity` bytes, before any collective: chosen (choose), or the one
+    the flags name with its stages' layers moved where a stage would not fit (fit_split), run as named even where
+    its plan exceeds `capacity` (the plan is an estimate; the run's peak is the fact). cuda: plan CUDA's bytes, else
+    the CPU's. load: the data's tower load (data.tower_load; None: the mock's)."""
     flags = given(cfg)
     if not flags:
         return choose(cfg, world, capacity, cuda, say, strict, load)
@@ -45,12 +33,9 @@ def plan(cfg, world, capacity, cuda=True, say=lambda line: None, strict=True, lo
 
 
 def fit_split(cfg, lay, capacity, cuda=True, load=None):
-    """`lay` with its pipeline stages' layers moved where the compute split (model.stage_layers) leaves a stage
-    short of `capacity` bytes (the first stage keeps the most micro-batches in flight): the stage that needs the
-    most gives an edge layer to a neighbour, the move that lowers the most-needing stage's need the most, until
-    every stage fits -> that layout, or `lay` where it fits already or no such moves make it fit. Fitting comes
-    before speed (the module docstring): the moved layers slow the stage that takes them, and cost.py says by
-    how much."""
+    """`lay` with its pipeline stages' layers moved where the compute split leaves a stage short of `capacity` (the
+    first stage keeps the most micro-batches in flight): the stage that needs the most gives an edge layer to the
+    neighbour that lowers its need the most, until every stage fits; `lay` where no such moves make it fit."""
     if lay.lm_pp == 1 or memory.fits(memory.plan(cfg, lay, cuda, load), capacity) is None:
         return lay
 
@@ -76,13 +61,10 @@ def fit_split(cfg, lay, capacity, cuda=True, load=None):
 
 
 def candidates(cfg, world, apart=True):
-    """The valid layouts the chooser weighs on `world` ranks: the reference layout where there is one; colocated in
-    place (one tp and cp for both modules, ep x etp over all ranks, dp the rest); each module its own lanes on the
-    shared ranks (the tower's own tp beside each language grid without cp, at pp 1 or in 2 to 8 pipeline stages);
-    hetero (the tower on the first V ranks, any V, the language model on the rest, its tp, pp and ep). tp stays
-    within a node beyond in place, and a micro-batch that does not split over the vision lanes is raised to the
-    smallest that does. apart=False: the reference and in place only (remedy()'s search over world sizes: thousands
-    of splits at each)."""
+    """The valid layouts the chooser weighs on `world` ranks: the reference layout; colocated in place; each module
+    its own lanes on the shared ranks (at pp 1 to MAX_PP); hetero (the tower on the first V ranks, any V). tp stays
+    within a node beyond in place; a micro-batch that does not split over the vision lanes is raised to the
+    smallest that does. apart=False: the reference and in place only (remedy()'s search over world sizes)."""
     def divisors(n, most=None):
         return [d for d in range(1, min(n, most or n) + 1) if n % d == 0]
 
@@ -112,9 +94,8 @@ def candidates(cfg, world, apart=True):
 
 
 def choose(cfg, world, capacity, cuda, say, strict, load=None):
-    """The layout the module docstring chooses for `capacity` bytes per rank; `say` gets which and why (not strict,
-    the dry run: the table of candidates first). None fits: SystemExit naming what would (not strict: `say` that,
-    and return the closest)."""
+    """The layout the module docstring chooses; `say` gets which and why (not strict, the dry run: the table first).
+    None fits: SystemExit naming what would (not strict: `say` that, and return the closest)."""
     plans = {lay: memory.plan(cfg, lay, cuda, load) for lay in map(lambda c: fit_split(cfg, c, capacity, cuda, load),
                                                                     candidates(cfg, world))}
     if not plans:       # nothing valid: the colocated dp layout's errors say why
@@ -153,9 +134,8 @@ def rank(cfg, layouts, cuda=True):
     kinds = ("in place", "own lanes", "hetero")
     seconds = {lay: cost.step_seconds(cfg, lay, cuda) for lay in layouts}
     return sorted(seconds.items(), key=lambda it: (round(it[1]["step"], 6), kinds.index(it[0].kind), it[0].lm_pp,
-                                                   it[0].lm_tp,
-                                                   it[0].lm_cp, it[0].lm_ep, it[0].lm_etp, it[0].vision_tp,
-                                                   it[0].vision_size, it[0].micro_batch))
+                                                   it[0].lm_tp, it[0].lm_cp, it[0].lm_ep, it[0].lm_etp,
+                                                   it[0].vision_tp, it[0].vision_size, it[0].micro_batch))
 
 
 def table(ranked, plans, rows=8):
@@ -176,10 +156,9 @@ def table(ranked, plans, rows=8):
 
 
 def remedy(cfg, world, capacity, cuda, load=None):
-    """What would make some layout fit, checked by the same plan: --activation-checkpointing if it is off and
-    enough; else the smallest larger world size (up to MAX_WORLD) and --lora-rank 8, where they would. Larger
-    sizes are searched in place first (a few dozen candidates each, where the others are hundreds), then with
-    every candidate (pipelines among them) at the sizes below the one found."""
+    """What would make some layout fit, checked by the same plan: --activation-checkpointing; else the smallest
+    larger world size and --lora-rank 8. Sizes are searched in place first (a few dozen candidates each, where
+    the others are hundreds), then with every candidate below the size found."""
     def fits_somewhere(c, w, apart=True):
         return any(memory.fits(memory.plan(c, lay, cuda, load), capacity) is None for lay in candidates(c, w, apart))
 

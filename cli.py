@@ -1,6 +1,5 @@
-"""train.py's command line: its flags (every Config field, config.add_arguments, plus the invocation's own), the
-answers to flags users bring from elsewhere or from earlier versions (ALIASES), and run(): a user error or a signal
-before training ends the run with one line from one rank."""
+"""train.py's command line: its flags (every Config field, plus the invocation's own), the answers to flags users
+bring from elsewhere (ALIASES), and run(): a user error or a signal before training is one line from one rank."""
 import argparse
 import difflib
 import math
@@ -112,12 +111,9 @@ def unknown_flag(arg, parser):
 
 
 def run(main, argv=None):
-    """The command line: main(argv) (train.main), a user error (SystemExit with a message, a bad data line) printed
-    as one line `error: <cause>. <fix>` by rank 0 (by another rank only when rank 0 lives on), exit status 2; --debug
-    shows its traceback. A rank that fails in a collective because another rank ended first (failsafe.peer_gone)
-    keeps quiet the same way: that rank says why. Any other error ends every rank (fail). A signal before training
-    starts (failsafe.Stop takes them from then on): one line, 128 + the signal; once main() is over, a signal ends
-    the process at once. On CPU without OMP_NUM_THREADS, one thread per process, as torchrun sets."""
+    """main(argv) (train.main) as a command: a user error (or another rank's end: failsafe.peer_gone) is one line
+    `error: <cause>. <fix>` from rank 0 (another rank only when rank 0 lives on), exit status 2; any other error
+    ends every rank (fail); a signal before training starts (failsafe.Stop takes them then) is one line."""
     rank = int(os.environ.get("RANK", 0))
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     # NCCL's watchdog thread would abort a process whose CUDA context broke (SIGABRT, no line, before the main thread
@@ -153,18 +149,16 @@ def run(main, argv=None):
 
 
 def end(status):
-    """Ends the process once main() is over and its files are closed (train.py, after cli.run): os._exit, after
-    flushing stdout and stderr and killing DataLoader workers (watchdog.leave). The interpreter's own exit runs the C++
-    destructors of the threads that process groups leave, which aborted a pipeline stage after `done` (std::terminate,
-    SIGABRT: 1 of 9 runs of `torchrun --nproc_per_node=3 train.py --preset tiny --vision-dp 1 --lm-pp 2` on CPU)."""
+    """Ends the process once main() is over and its files are closed (os._exit, after flushing): the interpreter's
+    own exit runs the C++ destructors of the threads process groups leave, which aborted a pipeline stage after
+    `done` (docs/failures.md §11)."""
     sys.stdout.flush()
     sys.stderr.flush()
     watchdog.leave(status, quiet=False)
 
 
 def _over():
-    """main() is over: a signal now ends the process at once (failsafe.Stop's handler would only note it, and the
-    interpreter's exit can hang: NCCL communicators, DataLoader workers)."""
+    """main() is over: a signal now ends the process at once (the interpreter's exit can hang)."""
     for sig in failsafe.SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
 
@@ -180,11 +174,8 @@ def user_error(e, rank):
 
 
 def fail(error, rank, debug):
-    """An error that is no user's (a CUDA error, out of memory, a bug) ends every rank within seconds
-    (docs/failures.md §11): one line, `error: rank R failed in <its watchdog mark>: <Type: message> (<where it was
-    raised in this repository's code>)`, from the first rank to fail; the others learn it from the store
-    (watchdog.fail) and end quietly. The process ends at once (os._exit): its interpreter's exit can hang
-    (NCCL communicators, DataLoader workers, a broken CUDA context); the GPU memory is freed when it is gone."""
+    """An error that is no user's (a CUDA error, out of memory, a bug) ends every rank within seconds, one line from
+    the first rank to fail (docs/failures.md §11); the process ends at once: its interpreter's exit can hang."""
     if debug:
         traceback.print_exc()
     said = str(error).strip().splitlines()

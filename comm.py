@@ -1,9 +1,8 @@
-"""Differentiable collectives used inside the model (tensor and expert parallelism).
+"""Differentiable collectives used inside the model (tensor and expert parallelism), each the other's adjoint in
+pairs, and how tensors are sliced by layout (shard / unshard, mark_shard, take_shard, init_shard).
 
-Each function takes a process group; `None` (or a group of size 1) makes it the identity, so the same model code
-runs on one CPU process, colocated, or sharded. The pairs are each other's adjoints:
-copy_to <-> reduce_from (Megatron's f / g), all_gather_dim <-> split_dim, all_to_all with swapped splits,
-gather_sum <-> its reduce-scatter.
+Each collective takes a process group; `None` (or a group of size 1) makes it the identity, so the same model code
+runs on one CPU process, colocated, or sharded.
 """
 import zlib
 
@@ -23,123 +22,69 @@ def group_rank(group):
     return 0 if group is None else dist.get_rank(group)
 
 
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward, all-reduce(sum) of the gradient backward: the input of a column-parallel layer."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def _all_reduce(x, group):
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    """All-reduce(sum) forward, identity backward: the output of a row-parallel layer."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def _cat(x, dim, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
 
 
-class _AllGatherDim(torch.autograd.Function):
-    """Concatenate equal shards along `dim`; backward keeps this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(dist.get_world_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
+def _chunk(x, dim, group):
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
 
 
-class _SplitDim(torch.autograd.Function):
-    """Keep this rank's equal slice along `dim` of a replicated tensor; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts, ctx.dim), None, None
+def _stack(x, group):   # the collectives take the ranks' tensors concatenated along dim 0
+    size = dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    all_gather(out, x.contiguous(), group=group)
+    return out.view(size, *x.shape)
 
 
-class _GatherSum(torch.autograd.Function):
-    """[...] -> [S, ...]: every rank's tensor, stacked in rank order; backward sums the ranks' gradients of this
-    rank's slot (a reduce-scatter): for a gathered tensor each rank reads differently (context parallelism's K, V),
-    unlike _AllGatherDim's, which every rank uses alike."""
-
-    @staticmethod
-    def forward(ctx, x, group):   # the collectives take the ranks' tensors concatenated along dim 0
-        ctx.group, size = group, dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-        all_gather(out, x.contiguous(), group=group)
-        return out.view(size, *x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[1:])
-        reduce_scatter(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
-        return out, None
+def _sum_slot(x, group):
+    out = x.new_empty(x.shape[1:])
+    reduce_scatter(out, x.flatten(0, 1).contiguous(), group=group)
+    return out
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single along dim 0 with uneven splits; backward runs the same exchange with splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return out, None, None, None
+def _exchange(x, out_splits, in_splits, group):
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
 
 
-def copy_to(x, group):
-    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+def _same(x, *args):
+    return x
 
 
-def reduce_from(x, group):
-    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+def _adjoints(forward, backward, alone=_same):
+    """A differentiable collective: forward(x, *args, group), whose gradient is backward(grad, *args, group);
+    alone(x, *args) where the group is None or of size 1."""
+    class Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *args):
+            ctx.args = args
+            return forward(x, *args)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-def all_gather_dim(x, dim, group):
-    return x if group_size(group) == 1 else _AllGatherDim.apply(x, dim, group)
+    return lambda x, *args: alone(x, *args[:-1]) if group_size(args[-1]) == 1 else Collective.apply(x, *args)
 
-
-def split_dim(x, dim, group):
-    return x if group_size(group) == 1 else _SplitDim.apply(x, dim, group)
-
-
-def gather_sum(x, group):
-    return x.unsqueeze(0) if group_size(group) == 1 else _GatherSum.apply(x, group)
-
-
-def all_to_all(x, out_splits, in_splits, group):
-    return x if group_size(group) == 1 else _AllToAll.apply(x, out_splits, in_splits, group)
+# copy_to: a column-parallel layer's input; reduce_from: a row-parallel layer's output (Megatron's f / g)
+copy_to, reduce_from = _adjoints(_same, _all_reduce), _adjoints(_all_reduce, _same)
+# all_gather_dim(x, dim, group) concatenates equal shards; split_dim keeps this rank's slice of a replicated tensor
+all_gather_dim, split_dim = _adjoints(_cat, _chunk), _adjoints(_chunk, _cat)
+# [...] -> [S, ...]: every rank's tensor stacked in rank order; backward sums the ranks' gradients of this rank's slot
+# (a reduce-scatter), for a gathered tensor each rank reads differently (context parallelism's K, V)
+gather_sum = _adjoints(_stack, _sum_slot, lambda x: x.unsqueeze(0))
+# all_to_all(x, out_splits, in_splits, group): uneven splits along dim 0; backward swaps them
+all_to_all = _adjoints(_exchange, lambda g, out_splits, in_splits, group: _exchange(g, in_splits, out_splits, group))
 
 
 def shard(full, dim, rank, size, segments=None):

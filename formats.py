@@ -1,14 +1,6 @@
-"""Where documents come from: files (JSONL, JSON arrays, parquet shards), the record shapes people store chats in,
-and the one-pass index of every file. data.py turns the records this module hands it into tokens.
-
-Files (docs/data.md §2): `--data` entries are paths, directories (their *.jsonl, *.json and *.parquet, sorted) or
-globs. A .json file holding a top-level array is read element by element, any other .json / .jsonl a record per line,
-.parquet with pyarrow in record batches, so memory never depends on the dataset's size. A file that cannot be read
-ends the run with one line (_reading).
-Records, whatever the file, become one of data.py's forms ({"messages"}, {"text"}, {"input_ids"}; to_record): LLaVA /
-ShareGPT conversations, and messages beside their "images" (HF datasets), each <image> or image part without a
-reference taking the next image: a path (relative to the data file), bytes or an HF {"bytes", "path"} struct.
-Parquet columns: --data-columns messages=NAME,images=NAME; by default the first of COLUMNS the file has.
+"""Where documents come from (docs/data.md §2): files (JSONL, JSON arrays, parquet shards), the record shapes people
+store chats in, made data.py's forms (to_record), and the one-pass index of every file. A JSON array is read element
+by element and parquet in record batches, so memory never depends on the dataset's size.
 """
 import array
 import base64
@@ -57,8 +49,7 @@ class Overlong(Bad):
 # ---------------------------------------------------------------- files
 
 def parse_blend(spec):
-    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b/*.parquet" -> [(0.7, "a.jsonl"), (0.3, "b/*.parquet")].
-    Every weight a finite number > 0."""
+    """"a.jsonl" -> [(1.0, "a.jsonl")];  "0.7:a.jsonl,0.3:b/*.parquet" -> [(0.7, "a.jsonl"), (0.3, "b/*.parquet")]."""
     out = []
     for item in spec.split(","):
         head, colon, tail = item.partition(":")
@@ -108,8 +99,8 @@ def _kind(path):
 
 @contextlib.contextmanager
 def _reading(path, bad=False):
-    """Reading data file `path`: an OSError or a pyarrow error (a directory, a missing or unreadable file, a corrupt
-    parquet) ends the run with one line, or with bad=True (a file that changed after indexing) is the record's Bad."""
+    """Reading data file `path`: an OSError or a pyarrow error ends the run with one line, or with bad=True (a file
+    that changed after indexing) is the record's Bad."""
     try:
         yield
     except Exception as e:
@@ -123,8 +114,7 @@ def _reading(path, bad=False):
                          "--eval-data") from None
 
 
-def where(path, line, kind):
-    """How messages name a record: file:line, or file:row N (from 0) in parquet."""
+def where(path, line, kind):   # file:line, or file:row N (from 0) in parquet
     return f"{path}:row {line}" if kind == "parquet" else f"{path}:{line}"
 
 
@@ -136,9 +126,8 @@ def _parse(raw):
 
 
 def _array_scan(f, path):
-    """(byte offset, line, raw bytes) of each element of a top-level JSON array, read 1 MiB at a time. The text is
-    decoded as latin-1 (one char per byte) only to find where each element ends: UTF-8 never puts an ASCII byte
-    inside a multi-byte character, so the bounds are right, and the element's bytes are parsed again as UTF-8."""
+    """(byte offset, line, raw bytes) of each element of a top-level JSON array, read 1 MiB at a time. Decoded as
+    latin-1 (a char per byte) only to find the bounds: UTF-8 never puts an ASCII byte inside a multi-byte character."""
     dec, text, base, pos, line, eof = json.JSONDecoder(), "", 0, 0, 1, False
 
     def more(n=1 << 20):                             # drop what is consumed, read on
@@ -216,8 +205,8 @@ def _from_row(row, columns):
 
 
 def scan(path, kind, columns):
-    """-> iterator of (key, line, record()): key finds the record again (read), line (parquet: row) names it in
-    messages; record() returns it in data.py's form or raises Bad. A file that cannot be read: SystemExit."""
+    """-> iterator of (key, line, record()): key finds the record again (read), line (parquet: row) names it;
+    record() returns it in data.py's form or raises Bad."""
     with _reading(path):
         if kind == "parquet":
             batches = _parquet(path, os.getpid())[0].iter_batches(256, columns=[c for c in columns if c])
@@ -276,21 +265,17 @@ def _image(entry):
     raise Bad(f"bad image entry {str(entry)[:80]} (expected a path, bytes or {{'bytes': ..., 'path': ...}})")
 
 
-def _images(value):
-    return [] if value is None else [_image(e) for e in (value if isinstance(value, list) else [value])]
-
-
 def to_record(obj):
-    """A decoded record -> data.py's form: LLaVA conversations become messages; with the images given beside the
-    messages, each <image> in a text (and the newline after it) and each image part without a reference takes the
-    next of them."""
+    """A decoded record -> data.py's form: LLaVA conversations become messages; with images beside the messages,
+    each <image> in a text (and its newline) and each image part without a reference takes the next of them."""
     if not isinstance(obj, dict):
         return obj
     turns = obj.get("conversations", obj.get("messages"))
     llava = isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]
     if not llava and ("images" not in obj or not isinstance(turns, list)):
         return obj
-    images, messages, k = _images(obj.get("image", obj.get("images"))), [], 0
+    images, messages, k = obj.get("image", obj.get("images")), [], 0
+    images = [] if images is None else [_image(e) for e in (images if isinstance(images, list) else [images])]
     for m in turns:
         m = _llava_turn(m) if llava else m
         content = m.get("content") if isinstance(m, dict) else None
@@ -320,8 +305,7 @@ def _llava_turn(t):
 
 
 def image_source(ref, base_dir):
-    """An image reference -> what PIL opens: a path (relative to the data file), or the bytes of a data: URL or of
-    an image stored in the record."""
+    """An image reference -> what PIL opens: a path (relative to the data file), or bytes (a data: URL's, stored)."""
     if isinstance(ref, bytes):
         return _named(ref, "embedded image")
     if ref.startswith("data:"):
@@ -344,8 +328,8 @@ def _named(raw, name):
 
 
 def truncate(ids, mask, runs, seq_len):
-    """The first seq_len tokens of a document, never cutting through an image: an image run [a, b) that does not
-    fit ends the document before it. -> (ids, mask, images kept)."""
+    """The first seq_len tokens of a document, ending before an image run [a, b) that does not fit. -> (ids, mask,
+    images kept)."""
     cut, kept = seq_len, len(runs)
     for k, (a, b) in enumerate(runs):
         if b > seq_len:
@@ -357,11 +341,9 @@ def truncate(ids, mask, runs, seq_len):
 # ---------------------------------------------------------------- the index
 
 def index_file(path, encoder, columns=None, skip_bad=False, verbose=True):
-    """One pass over a file: every good record's key (byte offset, or parquet row), line (row), token length, and
-    image placeholder tokens and images (a video tubelet counts as one: what the tower's memory needs, data.py).
-    Cached beside the file, keyed by its size, mtime and everything that changes lengths or validity. Among the
-    ranks of a node, local rank 0 indexes and writes the cache, the others wait for it (_Shared); where the
-    directory is read-only every rank indexes for itself."""
+    """One pass over a file: every good record's key, line, token length, image tokens and images (a tubelet counts
+    as one). Cached beside the file, keyed by everything that changes lengths or validity; local rank 0 indexes,
+    the node's others wait for it (_Shared); in a read-only directory every rank indexes for itself."""
     with _reading(path):
         st = os.stat(path)
     key = hashlib.sha256(json.dumps([INDEX_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns,
@@ -412,9 +394,8 @@ def _write_cache(path, cache, idx):
 
 
 class _Shared:
-    """Local rank 0's indexing of one file, as the node's other ranks see it through the process group's store: it
-    writes the cache, or a failure message; a waiting rank ends with that message, or with its own when local rank
-    0's process is gone, rather than wait forever. Without a process group every rank is an owner."""
+    """Local rank 0's indexing of one file, through the process group's store: it writes the cache or a failure
+    message; a waiting rank ends with that message, or its own when local rank 0 is gone, rather than wait forever."""
 
     def __init__(self, cache):
         store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
@@ -443,8 +424,7 @@ class _Shared:
 
 
 def _index(path, encoder, columns, skip_bad, progress):
-    """The index of one file (index_file). A bad record ends it (BadSample), over-long documents under --overlong
-    error end it once all are counted."""
+    """The index of one file (index_file); over-long documents under --overlong error end it once all are counted."""
     base = os.path.dirname(os.path.abspath(path))
     with _reading(path):
         kind = _kind(path)
@@ -475,8 +455,7 @@ def _index(path, encoder, columns, skip_bad, progress):
 
 
 def _overlong_message(path, kind, too_long, seq_len):
-    """The line that ends a run on over-long documents [(tokens, line)] under --overlong error: the count, the
-    longest and the first."""
+    """The line on over-long documents [(tokens, line)] under --overlong error: the count, the longest, the first."""
     fix = "Raise --seq-len, or pass --overlong truncate|skip"
     (tokens, line), word = too_long[0], "row" if kind == "parquet" else "line"
     if len(too_long) == 1:

@@ -1,11 +1,9 @@
-"""Memory-bound passes written once in plain PyTorch (docs/speed.md §2): the CPU runs them eagerly, CUDA as one
-torch.compile'd (Triton) kernel each (tests/test_gpu.py proves the two equal), except the norms, whose torch kernels
-already are one pass (rms_norm). Eager, every op ran as its own kernel with a full-size intermediate in device
-memory (the cross-entropy wrote and re-read the fp32 logits about ten times). Nothing here talks to other ranks.
+"""Memory-bound passes written once in plain PyTorch (docs/speed.md §2): eager on the CPU, one torch.compile'd kernel
+each on CUDA, where eager every op ran as its own kernel with a full-size intermediate (the cross-entropy wrote and
+re-read the fp32 logits about ten times). The norms' torch kernels already are one pass.
 
-Shape suffixes (logits_NV is [N, V]): N token positions (the rows of the logits), V vocab (this rank's shard), T tokens
-of an MoE layer, K experts per token, R routed rows (T x K, sorted by expert), D a row's width (the hidden size,
-or the latent width under LatentMoE).
+Shape suffixes: N token positions, V vocab (this rank's shard), T tokens of an MoE layer, K experts per token, R
+routed rows (T x K, sorted by expert), D a row's width.
 """
 import functools
 
@@ -15,13 +13,10 @@ import torch.nn.functional as F
 
 
 def compiled_on_cuda(fn, flat=False):
-    """fn itself on CPU tensors; its torch.compile'd version on CUDA tensors. torch.compile (and the import of
-    torch._dynamo it brings, seconds per process) happens at the first CUDA call, so importing costs nothing.
-    flat: fn is elementwise on one tensor, compiled once for every shape and rank: it runs on x flattened, the length
-    marked dynamic (0 and 1 are specialized anyway). Left to Dynamo's automatic dynamic shapes, squared_relu compiled
-    again at the first new size and at each new rank (tiny: [4, 128], [192, 32], [1, 96, 64]), seconds each;
-    dynamic=False keeps a later recompile (grad mode, length 1) from guarding the view's base and its rank. The
-    same math per element, so the same bits."""
+    """fn itself on CPU tensors; its torch.compile'd version on CUDA tensors, compiled at the first CUDA call (so
+    importing costs nothing). flat: fn is elementwise on one tensor, compiled once for every shape and rank by
+    running it flattened, the length marked dynamic (Dynamo's automatic dynamic shapes compiled again at each new
+    size and rank, seconds each); dynamic=False keeps a later recompile from guarding the view's base and rank."""
     compiled = None
 
     @functools.wraps(fn)
@@ -41,22 +36,20 @@ def compiled_on_cuda(fn, flat=False):
 
 
 def rms_norm(x, weight, eps):
-    """RMSNorm in the input's dtype: torch's kernel accumulates in fp32 whatever the dtype. Autocast off: it would
-    run the norm on an fp32 copy and hand the next GEMM an fp32 tensor to cast back. Not compiled: on one H100,
-    bf16 [8192, 2688], fwd+bwd took 0.55 ms compiled (all of it host time, the GPU waiting) and 0.18 ms here."""
+    """RMSNorm in the input's dtype (torch's kernel accumulates in fp32): autocast would hand the next GEMM an fp32
+    tensor to cast back. Not compiled: 0.55 ms compiled (all host time) against 0.18 ms here, on one H100."""
     with torch.autocast(x.device.type, enabled=False):
         return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
 def layer_norm(x, norm):
-    """nn.LayerNorm `norm` applied like rms_norm (the vision tower's: bf16 [16394, 1280] fwd+bwd on one H100 took
-    0.68 ms under autocast, 0.29 ms here)."""
+    """nn.LayerNorm `norm` applied like rms_norm (0.68 ms under autocast, 0.29 ms here, on one H100)."""
     with torch.autocast(x.device.type, enabled=False):
         return F.layer_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.bias.to(x.dtype), norm.eps)
 
 
 class RMSNorm(nn.Module):
-    """The module around rms_norm (the decoder's norms, the projector's HF mlp1.0): a weight of ones."""
+    """The module around rms_norm: a weight of ones."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -85,9 +78,8 @@ def logsumexp_and_pick(logits_NV, local_t_N):
 
 @compiled_on_cuda
 def cross_entropy_grad(logits_NV, lse_N, local_t_N, hit_N, g_N):
-    """d(loss)/d(logits) = (softmax - onehot(target)) * g per row, in the logits' dtype. lse is the logsumexp
-    over the whole vocab; hit says whether the row's target lies in this shard. The one-hot is a comparison, so
-    the whole gradient is one pointwise pass over the logits."""
+    """d(loss)/d(logits) = (softmax - onehot(target)) * g per row, in the logits' dtype, one pointwise pass. lse:
+    over the whole vocab; hit: the row's target lies in this shard."""
     cols = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
     onehot = (cols[None, :] == local_t_N[:, None]) & hit_N[:, None]
     grad = (torch.exp(logits_NV.float() - lse_N[:, None]) - onehot.float()) * g_N[:, None]

@@ -1,15 +1,12 @@
-"""HF interop: checkpoints (any layout) <-> transformers directories, both ways.
+"""HF interop (docs/checkpoints.md §5, §6): checkpoints (any layout) <-> transformers directories, both ways.
 
-  nemotron_h_omni  the whole VLM, as released (Nemotron Nano Omni / VL): `language_model.` + the LM's names,
-                   `vision_model.radio_model.model.` + RADIO's timm names (radio.hf_name), `mlp1.{0,1,3}` projector
+  nemotron_h_omni  the whole VLM, as released: `language_model.` + the LM's names, `vision_model.radio_model.model.`
+                   + RADIO's timm names (radio.hf_name), `mlp1.{0,1,3}` projector
   nemotron_h       the language model alone;  radio  a vision tower alone (`radio_model.model.` + timm names)
-LM names are the original ones (docs/decoder.md §3), equal to ours except that HF stores routed experts one tensor per
-expert (`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj`).
-Config fields HF does not carry (seq_len, image token budget, layout, ...) come from a preset.
+LM names are ours (docs/decoder.md §3), except that HF stores routed experts one tensor per expert
+(`mixer.experts.{j}.up_proj.weight` [F, D]) where we stack them for grouped GEMM (`mixer.experts.up_proj`).
 CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only] [--overwrite]
       python hf_interop.py import-hf --hf HF_DIR --out CKPT [--preset P] [--image-token-id N] [--vision-hf RADIO_DIR]
-Neither writes into a checkpoint directory, nor into a directory with files unless export-hf's --overwrite says so
-(_check_out, _staged). A user error is one line `error: <cause>. <fix>`, exit status 2 (cli).
 """
 import argparse
 import dataclasses
@@ -82,15 +79,14 @@ def read_config(hf_dir):
 
 
 def is_hf_dir(path):
-    """An HF model directory (config.json with an HF model_type), not one of our checkpoints (a save directory an
-    export wrote into too)."""
+    """An HF directory (config.json with an HF model_type), not one of our checkpoints (which may hold one too)."""
     return os.path.isfile(os.path.join(path, checkpoint.CONFIG_NAME)) and not checkpoint.is_checkpoint(path) and \
         "model_type" in read_config(path)
 
 
 def config_from_hf(hf, source="config.json", preset=None, image_token_id=None, radio_hf=None):
-    """An HF config.json (nemotron_h_omni, or nemotron_h plus an optional radio config) -> our Config. Fields HF does
-    not carry come from `preset` (default nano). Anything this model does not implement is refused by name."""
+    """An HF config.json (nemotron_h_omni, or nemotron_h plus an optional radio config) -> our Config, fields HF does
+    not carry from `preset` (default nano). Anything this model does not implement is refused by name."""
     kind = hf.get("model_type", "nemotron_h")
     if kind == "nemotron_h_omni":
         text = hf.get("text_config", hf.get("llm_config"))
@@ -188,10 +184,9 @@ def summary_idxs(cfg):
 
 
 def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
-    """Our Config -> an HF nemotron_h_omni config.json (the VLM). RADIO's class tokens and registers are one
-    learned block to both models; it is written as up to 3 class tokens + the rest as registers (C-RADIO's split).
-    A tower without a video embedder is written with transformers' default of 2 frames (its Omni always has one:
-    transformers draws it fresh)."""
+    """Our Config -> an HF nemotron_h_omni config.json. RADIO's class tokens and registers, one learned block to
+    both, are written as up to 3 class tokens + registers (C-RADIO's split). A tower without a video embedder says
+    transformers' default of 2 frames (its Omni always has one)."""
     cls, video_t = min(cfg.class_token_len, 3), cfg.video_temporal_patch or 2
     vision = {"model_type": "radio", "hidden_size": cfg.vit_hidden, "num_hidden_layers": cfg.vit_depth,
               "num_attention_heads": cfg.vit_heads, "mlp_ratio": cfg.vit_mlp / cfg.vit_hidden,
@@ -211,11 +206,9 @@ def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
 
 def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, tokenizer=None,
               source=None):
-    """Write an HF directory, nemotron_h_omni when `state_dict` (full names) holds the vision tower, else nemotron_h:
-    config.json, safetensors (sharded above max_shard_bytes), an HF `tokenizer`'s files (bos/eos/pad: its ids).
+    """Write an HF directory, nemotron_h_omni when `state_dict` (full names) holds the vision tower, else nemotron_h.
     dtype casts the floating tensors but the expert bias (fp32 in HF: _keep_in_fp32_modules_strict). `source`
-    (copy_source's): its files and carried tensors come along, its config.json's fields where ours say nothing (a
-    language-only export of an Omni: its text_config's fields, none of its files)."""
+    (copy_source's): its files and carried tensors come along, its config's fields where ours say nothing."""
     lm_sd = checkpoint.language_state_dict(state_dict)
     checkpoint.check_tensors(lm_sd, meta_shapes(model.LanguageModel, cfg), "export_hf(state_dict)")
     cast = lambda v: v.detach().cpu().to(dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu()
@@ -268,9 +261,8 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
         tok.save(out_dir)
 
 
-# Fields an export keeps from the source: max_position_embeddings is the context it was released for (serving stacks
-# read it as the context length; the decoder has no position embeddings), where a run's seq_len is only what it
-# trained on
+# Fields an export keeps from the source: max_position_embeddings is the context it was released for (what serving
+# stacks read), where a run's seq_len is only what it trained on
 SOURCE_WINS = ("max_position_embeddings",)
 
 
@@ -284,8 +276,7 @@ def _language_config(hf):
 
 def _merge_config(theirs, ours):
     """The source's config.json with our fields written over it (nested configs alike), but SOURCE_WINS. RADIO's
-    class tokens and registers keep the source's split of the same total; a `dtype` key (transformers 5) follows our
-    torch_dtype."""
+    class tokens and registers keep the source's split of the same total."""
     out = dict(theirs)
     for k, v in ours.items():
         if k in SOURCE_WINS and k in theirs:
@@ -301,9 +292,8 @@ def _merge_config(theirs, ours):
 
 
 def copy_source(src, out):
-    """What an export carries through from the HF directory `src` a run started from (or from a checkpoint's copy
-    of it, checkpoint.SOURCE_DIR) into `out`: every file but the weights (config.json, processor and generation
-    configs, chat template, remote code) and, in CARRIED_NAME, the tensors this model does not use (CARRIED)."""
+    """What an export carries through from the HF directory `src` a run started from (or a checkpoint's copy of it)
+    into `out`: every file but the weights, and in CARRIED_NAME the tensors this model does not use (CARRIED)."""
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(src):
         path, dst = os.path.join(src, name), os.path.join(out, name)
@@ -354,10 +344,9 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
 # ---------------------------------------------------------------- HF import
 
 class HFSource:
-    """An HF directory (nemotron_h_omni, or nemotron_h plus an optional transformers `radio` directory) read as a
-    checkpoint of our model: .cfg, .tensors, and read(name) of any full name ("language.…", "vision.…"), one tensor
-    in memory at a time, so train.py --load HF_DIR (checkpoint.load) and import-hf share it. Names, shapes and files
-    are checked when opened; weights this model does not use are skipped with one line."""
+    """An HF directory (nemotron_h_omni, or nemotron_h plus an optional `radio` directory) read as a checkpoint of
+    our model (.cfg, .tensors, read(name)), one tensor in memory at a time, so train.py --load HF_DIR and import-hf
+    share it. Names, shapes and files are checked when opened; weights this model does not use are skipped."""
 
     def __init__(self, hf_dir, preset=None, image_token_id=None, vision_hf=None, seed=0, say=print):
         hf, self.dir = read_config(hf_dir), hf_dir
@@ -488,10 +477,8 @@ def import_hf(hf_dir, preset=None, image_token_id=None, vision_hf=None, say=prin
 
 def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None,
            adapters_only=False):
-    """export-hf: a checkpoint of any layout -> nemotron_h_omni (or, language-only, nemotron_h), adapters merged;
-    with adapters_only, the LoRA adapters alone as a PEFT adapter directory (hf_peft.py). Everything comes from
-    the checkpoint: its record's config, its tokenizer's copy (unless `tokenizer` is given) and the files of the
-    HF directory the run started from (copy_source). -> the checkpoint's step."""
+    """export-hf: a checkpoint -> nemotron_h_omni (or, language-only, nemotron_h), adapters merged, or alone as a
+    PEFT adapter directory; config, tokenizer and HF files from the checkpoint. -> the checkpoint's step."""
     r = checkpoint.Reader(path)
     cfg, names = r.cfg, [n for n in r.tensors if not (language_only and n.startswith("vision."))]
     lora_names = [n for n in names if "lora_" in n]
@@ -566,7 +553,7 @@ def main(argv=None):
 
 
 def _check_out(cmd, out, overwrite):
-    """--out is never, nor lies in, a checkpoint directory (checkpoint.enclosing); new or empty unless `overwrite`."""
+    """--out is never, nor lies in, a checkpoint directory; new or empty unless `overwrite`."""
     held = checkpoint.enclosing(out)
     if held is not None:
         where = "is a checkpoint directory" if held == os.path.realpath(out) else \
@@ -580,10 +567,9 @@ def _check_out(cmd, out, overwrite):
 
 
 def _staged(out, write):
-    """write(a new directory inside `out`) -> its result; what it wrote then replaces the entries of those names in
-    `out` (never written into: a file may be a checkpoint's hard link), and an earlier export's shards or index the
-    new weights do not replace are dropped (a loader would pick them up). A failed write changes no file in `out`, and
-    leaves no `out` it made."""
+    """write(a new directory inside `out`) -> its result; what it wrote then replaces those entries of `out` (never
+    written into: a file may be a checkpoint's hard link), and an earlier export's shards it does not replace are
+    dropped (a loader would pick them up). A failed write changes no file in `out`, and leaves no `out` it made."""
     made = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -608,7 +594,7 @@ def _staged(out, write):
 
 
 def cli(argv=None):
-    """main() as a command: a user error printed as its one line, exit status 2 (as train.py's)."""
+    """main() as a command: a user error is its one line `error: <cause>. <fix>`, exit status 2 (as train.py's)."""
     try:
         main(argv)
     except SystemExit as e:

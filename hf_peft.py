@@ -1,10 +1,6 @@
-"""LoRA adapters (lora.py) as a PEFT adapter directory: `peft.PeftModel.from_pretrained(model, DIR)`, `model` the
-transformers model of the run's base (nemotron_h_omni, or nemotron_h for a language-only export), computes what the
-merged export computes (lora.merge + hf_interop.export_hf).
-
-PEFT names the modules of the loaded model, which transformers 5 renames from the checkpoint's keys (its
-conversion_mapping, RENAMES below): `language.backbone.…` -> `language_model.model.…`, `vision.blocks.N.attn.proj`
--> `vision_model.encoder.layer.N.attention.o_proj`, `vision.mlp1.1` -> `multi_modal_projector.linear_1`, ...
+"""LoRA adapters (lora.py) as a PEFT adapter directory: `peft.PeftModel.from_pretrained(model, DIR)` on the
+transformers model of the run's base computes what the merged export computes. PEFT names the modules of the loaded
+model, which transformers 5 renames from the checkpoint's keys (RENAMES).
   Linear (W [out, in])      lora_A.weight [r, in], lora_B.weight [out, r]: ours as they are
   RADIO's fused qkv         transformers splits W's rows into q / k / v (Chunk(dim=0)): each gets A and its third of B
   routed experts            target_parameters (PEFT's ParamWrapper on the 3-D `up_proj` / `down_proj` [E, out, in]),
@@ -46,10 +42,9 @@ def hf_module(name, lm_root):
 
 
 def save_peft(state_dict, cfg, out_dir, lm_root, base_model=None):
-    """Write the adapters of `state_dict` ({full name: full tensor}; other entries are ignored) as a PEFT adapter
-    directory. lm_root: where the language model sits in the transformers model, "language_model." in a
-    nemotron_h_omni (hf_interop.OMNI_LM), "" in a nemotron_h, whose export drops the vision adapters as the
-    language-only export drops the tower. cfg: lora_rank, lora_alpha. base_model: its base_model_name_or_path."""
+    """Write the adapters of `state_dict` ({full name: full tensor}) as a PEFT adapter directory. lm_root: where the
+    language model sits, "language_model." in a nemotron_h_omni, "" in a nemotron_h (no vision adapters then).
+    base_model: its base_model_name_or_path."""
     omni = bool(lm_root)
     # transformers builds no MTP blocks (it drops their weights on load): their adapters have nothing to attach to
     adapters = {k: v for k, v in state_dict.items() if ".lora_" in k and (omni or k.startswith("language."))

@@ -1,9 +1,6 @@
 """The modules a rank starts from, built without an fp32 copy of the model (docs/memory.md §5): made on the meta
-device with their trainable parameters chosen there, then each parameter allocated on the run's device in the dtype
-it trains in (optim.weight_dtypes) and drawn by name at full shape, this rank's slice copied out and cast
-(comm.init_shard): the initial values of any layout and of the fp32 init. The language model is drawn on the device
-(model.rule), the tower and the LoRA adapters on the CPU (radio.rule, lora.rule). Buffers are zeros; tensors a load
-fills (`skip`) are allocated and not drawn.
+device, then each parameter allocated in the dtype it trains in and drawn by name at full shape, this rank's slice
+copied out (comm.init_shard): the same initial values in any layout.
 """
 import torch
 import torch.nn as nn
@@ -16,8 +13,8 @@ from radio import SEED as VISION_SEED, VisionModel, rule as vision_rule
 
 
 def build(cfg, par, device, skip=frozenset()):
-    """{"vision" | "language": module} of the modules this rank of `par` holds, materialised on `device` (the
-    module docstring); `skip`: full names ("language.lm_head.weight") left to a load."""
+    """{"vision" | "language": module} of the modules this rank of `par` holds, on `device`; `skip`: full names
+    ("language.lm_head.weight") left to a load, allocated and not drawn. Buffers are zeros."""
     with torch.device("meta"):
         modules = {}
         if par.in_vision:

@@ -1,14 +1,8 @@
-"""torchrun with the run's own last word last: `python launch.py` takes torchrun's arguments (its own parser) and
-runs its launcher, but what torchrun says about a run that did not end well goes to a file instead of the console.
-
-Why: a rank that ends the run says so in one line (saved on a signal, a user error, the watchdog's verdict, a
-failed rank: docs/failures.md), and torchrun then prints 20-40 lines of its own after it (its log lines, its
-SignalException or ChildFailedError traceback and failure table), the last thing one reads, and exits 1 whatever
-the rank's status was. torchrun has no option that keeps its report off the console (--redirects and --tee move the
-ranks' output, not its own). So here torchrun's log lines and failure table go to torchrun.log in its --log-dir (by
-default a new /tmp/torchelastic_* directory, as torchrun makes one anyway), and the exit status is the rank's: 2 a
-user error, 3 a stuck run, 1 a failed rank, 128 + N a signal. A rank ended without a word by a signal torchrun did
-not send (the kernel's out-of-memory killer, a segfault) gets one line here, naming the file, and its status.
+"""torchrun (`python launch.py` takes its arguments) with the run's own last word last: a rank that ends the run
+says why in one line (docs/failures.md), after which torchrun would print 20-40 lines of its own and exit 1 whatever
+the rank's status, and no torchrun option keeps them off the console. Here its log lines and failure table go to
+torchrun.log in its --log-dir, and the exit status is the rank's. A rank ended without a word by a signal torchrun
+did not send (the out-of-memory killer, a segfault) gets one line here, naming the file.
 """
 import logging
 import os
@@ -26,8 +20,7 @@ SIGNALLING = ("Sending process %s closing signal %s", "Unable to shutdown proces
 
 
 class Signalled(logging.Filter):
-    """The pids torchrun signalled, from its log records: a rank ended by a signal torchrun did not send was killed
-    from outside (the out-of-memory killer) or crashed, and said nothing."""
+    """The pids torchrun signalled, from its log records."""
 
     def __init__(self):
         super().__init__()

@@ -18,11 +18,9 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF)
 
 
 class Hold:
-    """A save directory held by this process: flock on DIR/.lock, which the kernel drops when the process ends,
-    however it ends (SIGKILL too), so no crashed run leaves it behind. The file names the holder for the run it
-    refuses. release() removes the file, then drops the lock (in that order: a run that opened the file meanwhile
-    finds it unlinked and takes a new one), then the directories hold() created that are empty (`made`, deepest
-    first): a refused run, or one that failed before it wrote anything there, leaves none behind."""
+    """A save directory held by this process (flock on DIR/.lock, whose text names the holder). release() removes
+    the file, then drops the lock (in that order: a run that opened the file meanwhile finds it unlinked and takes
+    a new one), then the empty directories hold() created (`made`, deepest first): a refused run leaves none."""
 
     def __init__(self, path, fd, made):
         self.path, self.fd, self.made = path, fd, made
@@ -43,8 +41,7 @@ class Hold:
 
 def hold(root, command):
     """Hold save directory `root` for this run (global rank 0, before anything there is read or written), creating
-    it -> Hold; `command`: what the line that ran is, for a run it refuses. Held by another process: one line
-    naming that holder."""
+    it -> Hold; `command`: the line, named to a run it refuses."""
     path, made = os.path.join(root, LOCK_NAME), []
     try:
         while True:
@@ -53,19 +50,16 @@ def hold(root, command):
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:   # removed by a run that had created it and was refused meanwhile
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in NO_LOCKS:
-                    print(f"--save {root}: its file system does not lock files ({e.strerror}): a second run on it "
-                          "would not be refused", flush=True)
-                    break
-                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    raise
+            locked = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if locked is False:
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "its holder is starting"
                 os.close(fd)
                 raise SystemExit(f"--save {root} is in use by another run ({holder}). Wait for it to end, or "
-                                 "choose another --save") from None
+                                 "choose another --save")
+            if locked is not True:
+                print(f"--save {root}: its file system does not lock files ({locked}): a second run on it would not "
+                      "be refused", flush=True)
+                break
             if _same_file(fd, path):
                 break
             os.close(fd)   # released by its holder after we opened it: take the file that is there now
@@ -159,8 +153,8 @@ def prune(root, names):
 
 
 def _lock(fd, how):
-    """flock(fd, how) -> whether it is locked; True on a file system without locks (a reader then is not safe from
-    a prune: docs/checkpoints.md §4), False when another process holds it (LOCK_NB)."""
+    """flock(fd, how) -> True when locked, False when another process holds it (LOCK_NB), the error's text on a
+    file system without locks (true too: nothing to wait for)."""
     try:
         fcntl.flock(fd, how)
     except OSError as e:
@@ -168,4 +162,5 @@ def _lock(fd, how):
             return False
         if e.errno not in NO_LOCKS:
             raise
+        return e.strerror or str(e)
     return True

@@ -1,11 +1,7 @@
-"""LoRA (--lora-rank R --lora-alpha A [--lora-targets REGEX]): W x + (A / R) * B (A_lora x) with W frozen; the
-adapters shard like their frozen weight, so any tp / ep layout computes the one-device function (docs/memory.md §3).
-
-Targets (regex over full names, default TARGETS): attention q/k/v/o, Mamba in/out projections, the dense and
-shared-expert MLPs, LatentMoE's latent projections, and the routed experts, one adapter pair per expert, applied
-inside the grouped GEMM (moe.expert_ffn); `vision\\.mlp1\\.(1|3)` adds the projector. Every other parameter is
-frozen, the routers' expert biases too (train.py does not update them under LoRA), so the adapters alone
-(hf_peft.py) reproduce the run on the released weights. merge() folds adapters into full weights (export-hf).
+"""LoRA (docs/memory.md §3): W x + (alpha / r) * B (A x) with W frozen; the adapters shard like their frozen weight,
+so any tp / ep layout computes the one-device function. Routed experts get one adapter pair per expert, applied
+inside the grouped GEMM (moe.expert_ffn). Every other parameter is frozen, the routers' expert biases too, so the
+adapters alone (hf_peft.py) reproduce the run on the released weights.
 """
 import math
 import re
@@ -22,10 +18,8 @@ TARGETS = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj|fc1_
 
 
 def apply(modules, cfg, par=None):
-    """Add cfg.lora_rank adapters (cfg.lora_alpha, cfg.lora_targets) to the matching layers of {"vision" |
-    "language": module}, freeze everything else. The adapters are allocated, not drawn: a run builds its modules
-    on the meta device and draws every parameter after (init.py). `par` (parallel.setup's): the run's layout,
-    checked."""
+    """Add cfg.lora_rank adapters to the layers of {"vision" | "language": module} that cfg.lora_targets matches,
+    freeze everything else. Allocated, not drawn (init.py draws them). `par`: the run's layout, checked."""
     if (par is not None and par.lm is not None and par.lm.etp_size > 1) or cfg.moe_dispatcher != "alltoall":
         raise SystemExit("error: LoRA on routed experts needs --lm-etp 1 and the alltoall dispatcher. Drop "
                          "--lm-etp / --moe-dispatcher deepep.")
@@ -80,8 +74,8 @@ def _attach_linear(lin, r, scale):
 
 
 def add_adapter(lin, inputs, out):
-    """out + scale * B (A x): the forward hook of an adapted Linear. A caller that applies the weight itself (the
-    vision tower's row-parallel layers, whose bias comes after the tp sum) calls it directly, before its reduce."""
+    """out + scale * B (A x): an adapted Linear's forward hook; a caller that applies the weight itself (a
+    row-parallel layer whose bias comes after the tp sum) calls it directly, before its reduce."""
     if not hasattr(lin, "lora_A"):
         return out
     return out + F.linear(F.linear(inputs[0], lin.lora_A), lin.lora_B) * lin.lora_scale

@@ -1,14 +1,10 @@
-"""Mock data (--data mock): a small synthetic VLM task that learns, and learns through the image (--mock-text task,
-the default), or random tokens for throughput runs (--mock-text random). A sample is a pure function of (seed,
-index), like every sample of data.py.
+"""Mock data (docs/data.md §1): a synthetic VLM task that learns through the image (--mock-text task), or random
+tokens and pixels for throughput runs (--mock-text random). A sample is a pure function of (seed, index).
 
-task, a sample with an image (n image tokens, M = 64):   <image> x n  c  c+1  c+2 ...  (counting mod M, token ids
-    32 + 0..63, up to seq_len), c a multiple of STRIDE = 8. The image is one flat colour plus noise that names c:
-    each of the 3 channels at one of 2 levels, 8 colours for the 8 starts. So the first count token (the label at
-    the last image position) is predictable only through the image (without it its loss stays at ln 8), and every
-    later one from the previous token.
-task, a text-only sample (a mock_text_only_frac share): counting from a random c, all but its first token learnable.
-random: one image of random pixels and random tokens (never the image token or the pad id 0); nothing to learn.
+task, with an image:  <image> x n  c  c+1  c+2 ...  (token ids FIRST + counting mod COUNT), c a multiple of STRIDE,
+    the image one flat colour plus noise that names c: so the first count token is predictable only through the
+    image (without it its loss stays at ln 8), every later one from the previous token.
+task, text-only (a mock_text_only_frac share): counting from a random c.
 """
 import torch
 

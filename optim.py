@@ -1,31 +1,18 @@
-"""Everything after backward, in one class (Megatron's distributed optimizer, by hand on torch.distributed): the
-gradient buffers, their reduction, the global norm, clipping, the inf / nan consensus, AdamW and its checkpoint
-state, and the learning-rate schedule (learning_rate). train.py calls `norm, ok = opt.finish(n_tokens, max_norm)`,
-then, if ok, `opt.step()`. The rules it keeps (per-module sums, one token count, one norm, all ranks skip together)
-and why by hand, not DDP / FSDP2: docs/parallel.md §8, docs/memory.md §1.
+"""Everything after backward, in one class (Megatron's distributed optimizer, by hand: docs/memory.md §1, the rules
+it keeps docs/parallel.md §8), and the learning-rate schedule. train.py calls `norm, ok = opt.finish(n_tokens,
+max_norm)`, then, if ok, `opt.step()`.
 
-Every trained parameter belongs to one data-parallel domain, the group over which its gradient is summed (vision dp
-for the tower, language dp-cp for dense weights, edp for routed experts). A domain's parameters are packed into
-buckets (flat, decay and no-decay apart, about BUCKET_BYTES each) with one persistent fp32 gradient buffer each: a
-post-accumulate hook adds each micro-batch's gradient into its parameter's view of it (`main_grad`, as Megatron
-does), so the sum over micro-batches is fp32 whatever the weights' dtype. finish():
-  1. tp-partial sums  adapters whose gradient is a partial sum per tp rank (lora.py `tp_partial`): all-reduce over tp
-  2. data parallel    sharded (the default): the buffer is cut into equal contiguous shards, one per rank of the
-                      domain, and reduce-scattered; a rank keeps, for its shard only, the fp32 main weights and the
-                      AdamW moments: 12 / dp bytes a parameter instead of 12. Replicated (--no-distributed-
-                      optimizer): the buffer is all-reduced and every rank keeps the whole bucket, so plain AdamW is
-                      the one-shard case of the sharded optimizer.
-  3. norm             every element once: a shard's pieces (replicated buckets: on the domain's rank 0), tp / ep
-                      replicas once (comm.counted_in_replica); fp64, one all-reduce over WORLD that also carries the
-                      sum over every local copy, so an inf / nan on any rank makes every rank skip (ok False)
-  4. scale            divided by the step's token count and clipped to max_norm: one factor, which AdamW's fused
-                      kernel applies as it reads each gradient (its grad_scale, the hook torch.amp's GradScaler
-                      uses): one pass over the fp32 gradients fewer than a multiply before the step
-step(): torch AdamW on the shards (elementwise: the same numbers as unsharded AdamW), then the updated shards are
-all-gathered into the model's weights.
-Weights (weight_dtypes, fp32_weights; docs/memory.md §2): bf16 on CUDA when sharded, frozen ones too.
-Checkpoints: one per-parameter format (checkpoint.py; gather_state, load), so a run resumes into any dp and either
-mode, each parameter's state whatever else shares its bucket (_split_by_age: AdamW counts steps per bucket).
+A data-parallel domain's trained parameters (vision dp, language dp-cp, experts' edp) are packed into buckets, each
+with one persistent fp32 gradient buffer that a post-accumulate hook adds every micro-batch's gradient into
+(`main_grad`, as Megatron), so the sum is fp32 whatever the weights' dtype. finish():
+  1. tp-partial sums  adapters whose gradient is a partial sum per tp rank (lora.py `tp_partial`): all-reduced
+  2. data parallel    sharded: reduce-scattered, a rank keeping the fp32 main weights and moments of its shard only;
+                      replicated (--no-distributed-optimizer): all-reduced, the one-shard case of the same code
+  3. norm             every element once (comm.counted_in_replica), fp64, one all-reduce over WORLD that also sums
+                      every local copy, so an inf / nan on any rank makes every rank skip
+  4. scale            the token count and clipping as one factor, which the fused AdamW applies as it reads each
+                      gradient (grad_scale, GradScaler's hook): a pass over the gradients fewer
+Checkpoints hold per-parameter state (gather_state, load), so a run resumes into any dp and either mode.
 """
 import math
 
@@ -39,9 +26,8 @@ BUCKET_BYTES = 64 * 2**20
 
 def build(par, vision, lm, cfg, device):
     """The run's optimizer, on every rank (one that trains nothing still joins finish()'s collectives). Its fp32
-    main weights start from the weights as they are (init.py materialises them in their training dtype: on CUDA a
-    trained bf16 weight's main weights are its bf16 rounding, as Megatron's: docs/parallel.md §8; a load then
-    replaces them with the source's). Modules built otherwise (bench.py, tests) are cast to weight_dtypes here."""
+    main weights start from the weights as they are (as Megatron's). Modules built otherwise than by init.py
+    (bench.py, tests) are cast to weight_dtypes here."""
     opt = AdamW(domains(par, vision, lm), cfg.lr, cfg.weight_decay, device, cfg.distributed_optimizer,
                 cfg.activation_checkpointing)
     dtypes = weight_dtypes(par, vision, lm, cfg, device)
@@ -64,9 +50,8 @@ def _fp32_domain(group, params, sharded, cuda, checkpointing):
 
 
 def weight_dtypes(par, vision, lm, cfg, device):
-    """{id(param): the dtype it trains in} of the modules' parameters (the module docstring's policy): bf16 on
-    CUDA under the distributed optimizer, frozen ones included, except the trained weights that stay fp32 as views
-    of their main weights; fp32 otherwise."""
+    """{id(param): the dtype it trains in}: bf16 on CUDA under the distributed optimizer, frozen ones included,
+    but the trained weights that stay fp32 as views of their main weights (fp32_weights); fp32 otherwise."""
     cuda, sharded = device.type == "cuda", cfg.distributed_optimizer
     low = torch.bfloat16 if cuda and sharded else torch.float32
     out = {id(p): low for m in (vision, lm) if m is not None for p in m.parameters()}
@@ -89,9 +74,8 @@ def domains(par, vision, lm):
 
 
 class Bucket:
-    """Parameters packed flat (offsets) and their fp32 gradient buffer, padded to shards x shard. This rank owns
-    [lo, lo + shard): the main weights and moments AdamW steps. shards: the domain's size (sharded) or 1 (replicated:
-    the whole bucket on every rank). values: {id(param): tensor} the main weights start from (default: parameters)."""
+    """Parameters packed flat (offsets) and their fp32 gradient buffer, padded to n x shard; this rank owns [lo,
+    lo + shard). values: {id(param): tensor} the main weights start from (default: the parameters)."""
 
     def __init__(self, params, group, groups, decay, sharded, fp32, values=None):
         self.params, self.group, self.groups, self.decay, self.sharded = params, group, groups, decay, sharded
@@ -150,8 +134,8 @@ class Bucket:
 
 
 class AdamW:
-    """AdamW (betas 0.9, 0.95; decay on >= 2-D parameters) over the buckets of every domain, sharded or replicated
-    (the module docstring). `param_groups` are its inner torch AdamW's: train.py sets lr on them."""
+    """AdamW (betas 0.9, 0.95; decay on >= 2-D parameters) over the buckets of every domain. `param_groups` are its
+    inner torch AdamW's: train.py sets lr on them."""
 
     def __init__(self, domain_list, lr, weight_decay, device, sharded=True, checkpointing=False):
         self.lr, self.weight_decay, self.sharded = lr, weight_decay, sharded
@@ -189,8 +173,8 @@ class AdamW:
         return [p for b in self.buckets for p in b.params]
 
     def finish(self, n_tokens, max_norm):
-        """Steps 1-4 of the module docstring -> (norm of the divided gradients, ok). ok is False on every rank when
-        any rank saw inf / nan: the gradients are then dropped. Collective: every rank calls it once a step."""
+        """Steps 1-4 of the module docstring -> (norm of the divided gradients, ok); not ok: gradients dropped.
+        Collective: every rank calls it once a step."""
         for b in self.buckets:
             for p in b.params:
                 if getattr(p, "main_grad", None) is None:   # no micro-batch reached it (or a p.grad set outside):
@@ -221,7 +205,7 @@ class AdamW:
 
     def step(self):
         """AdamW on the shards, then every rank's updated shard into the model's weights (gathered in the weights'
-        dtype: bf16 on CUDA, half the bytes of the fp32 shards, and the same rounding as copying fp32 into them)."""
+        dtype: half the bytes of fp32 on CUDA, and the same rounding)."""
         if self.inner is None:
             return
         self.inner.step()
@@ -238,8 +222,7 @@ class AdamW:
 
     def gather_state(self, wanted=None):
         """{id(param): {"main", "exp_avg", "exp_avg_sq": full fp32 (this rank's tp / ep slice) on the CPU, "step"}},
-        for the parameters in `wanted` (ids; None: all). Collective over every bucket's group (all ranks of the
-        domains call it, in the same bucket order); only the wanted parameters are copied to the CPU."""
+        for the parameters in `wanted` (ids; None: all). Collective over every bucket's group."""
         out = {}
         for b in self.buckets:
             st = self.inner.state.get(b.main, {})
@@ -272,9 +255,8 @@ class AdamW:
             self.inner.load_state_dict(sd)
 
     def _split_by_age(self, states):
-        """Replace every bucket whose parameters' saved states differ in age (step count; none counts as 0) by one
-        bucket per age, with the same main weights, and rebuild the inner AdamW (it has no state yet). Every rank of
-        a domain holds the same parameters, so all of them split alike."""
+        """AdamW counts steps per bucket: every bucket whose parameters' saved states differ in age (none: 0) becomes
+        one bucket per age, and the inner AdamW is rebuilt (it has no state yet). A domain's ranks split alike."""
         age = lambda p: float(states[id(p)]["step"]) if id(p) in states else 0.0   # noqa: E731
         out = []
         for b in self.buckets:
@@ -294,9 +276,8 @@ class AdamW:
 
 
 def _accumulate_fp32(p):
-    """Post-accumulate hook: each micro-batch's gradient goes into its fp32 view of the bucket's gradient buffer
-    at once (bf16 weights: the sum over micro-batches is not rounded to bf16; fp32 weights: the same additions
-    autograd would do). main_grad is None until the step's first micro-batch writes it."""
+    """Post-accumulate hook: each micro-batch's gradient into its fp32 view of the bucket's gradient buffer at once
+    (the sum over micro-batches is not rounded to bf16). main_grad is None until the step's first writes it."""
     if getattr(p, "main_grad", None) is None:
         p.main_grad = p.grad_view
         p.main_grad.copy_(p.grad)
@@ -306,9 +287,8 @@ def _accumulate_fp32(p):
 
 
 def _global_norm(counted, copies):
-    """sqrt(sum of squares of `counted`) over every rank, identical on all (one SUM all-reduce over WORLD). The same
-    all-reduce carries the sum over `copies` too: an inf / nan anywhere, even in a copy the norm does not count,
-    makes the result nan on every rank."""
+    """sqrt(sum of squares of `counted`) over every rank; the same all-reduce sums `copies` too, so an inf / nan
+    anywhere makes the result nan on every rank."""
     local = torch.zeros(2, dtype=torch.float64, device=comm.device())
     if counted or copies:                  # counted first, so the norm is a prefix of one batched norm
         sq = torch.stack(torch._foreach_norm(counted + copies, dtype=torch.float64)) ** 2  # fp64: the same
@@ -322,8 +302,7 @@ def _global_norm(counted, copies):
 
 # ---------------------------------------------------------------- the learning-rate schedule
 
-def step_lr(cfg, counters):
-    """The LR of the step after `counters` (a skipped step does not advance the schedule)."""
+def step_lr(cfg, counters):   # a skipped step does not advance the schedule
     return learning_rate(cfg, counters["good_steps"])
 
 

@@ -1,12 +1,8 @@
-"""What a command line continues, and the one Config it runs with (docs/checkpoints.md §1, §2, §4). A checkpoint
-is its run: config.json holds the whole Config (the run record), tokenizer/ a copy of the run's HF tokenizer, source/
-the files of the HF directory the run started from that export-hf carries through (hf_interop.copy_source),
-meta.json the run's `lineage`. A line is a fresh run (no --load), a fresh run from released weights (--load HF_DIR;
-flags that change the model's shape are refused), a fresh run from saved weights (--load CKPT --finetune), or CKPT's
-run resumed (--load CKPT, for training, --eval-only and export-hf alike): its record with the flags given applied,
-refusing those that would change the model (config.FIXED_ON_RESUME), saving on where it was loaded from; a run saved
-on another number of ranks chooses its layout anew. A line whose --save holds a complete checkpoint resumes it or is
-refused (_requeue); a run never saves over later steps.
+"""What a command line continues, and the one Config it runs with (docs/checkpoints.md §1, §2, §4): a fresh run, a
+fresh run from released weights (--load HF_DIR), a new run from saved weights (--load CKPT --finetune), or CKPT's
+run resumed (--load CKPT): a checkpoint is its run, so its record applies with the flags given, but those that would
+change the model. A line whose --save holds a complete checkpoint resumes it or is refused (_requeue); a run never
+saves over later steps.
 """
 import dataclasses
 import os
@@ -36,8 +32,8 @@ class Start:
 
 
 def resolve(inv, given, world, say):
-    """(Config, Start) of a command line: inv its invocation flags (--load, --finetune, --eval-only, ...), given the
-    Config fields it set, world the number of ranks. say: rank 0's print."""
+    """(Config, Start) of a command line: inv its invocation flags, given the Config fields it set, world the
+    number of ranks. say: rank 0's print."""
     load, requeued = _requeue(inv, given, say)
     if load is None:
         cfg = config.resolve(given.get("preset", config.Config.preset), given)
@@ -46,8 +42,7 @@ def resolve(inv, given, world, say):
         return _from_hf(load, given, say)
     step_dir = call(checkpoint.pin, load, say)   # until set-up has read it (train.setup)
     record = call(checkpoint.saved_config, step_dir)
-    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
-                f"earlier step of {os.path.dirname(step_dir)}")
+    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME))
     lineage = list(meta.get("run", {}).get("lineage", []))
     source = os.path.join(step_dir, checkpoint.SOURCE_DIR)
     finetune = inv.finetune and not requeued
@@ -105,8 +100,7 @@ def agree(start):
     start.load = step_dir
 
 
-def _shown(field, value):
-    """A field's value in the changes line: an unset layout field is the chooser's."""
+def _shown(field, value):   # an unset layout field is the chooser's
     return "chosen" if value is None and field in config.LAYOUT_FIELDS else value
 
 
@@ -128,8 +122,7 @@ def _requeue(inv, given, say):
                 "resumes from it")
             return None, False
         return load, False
-    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME), "restore it, or --load an "
-                f"earlier step of {save}")
+    meta = call(checkpoint.read_json, os.path.join(step_dir, checkpoint.META_NAME))
     lineage, step = meta.get("run", {}).get("lineage", []), meta.get("step")
     if load is not None and _inside(load, save):   # (i)
         if inv.finetune:
@@ -201,8 +194,7 @@ def _tokenizer(cfg, step_dir, flag, load):
 
 
 def write_run_files(step_dir, tokenizer, source):
-    """The run's files in a step directory (rank 0, before the step is committed): the tokenizer's copy and the
-    HF source's carried files."""
+    """The run's files in a step directory (rank 0, before the step is committed)."""
     if hasattr(tokenizer, "save"):
         tokenizer.save(os.path.join(step_dir, checkpoint.TOKENIZER_DIR))
     if source is not None:
@@ -225,9 +217,7 @@ def borrowed(cfg, start):
 
 
 def run_file_names(tokenizer, source):
-    """The paths in a step directory that write_run_files writes (the Saver checks their length before step 1): the
-    tokenizer's copy as it saves itself (here into a temporary directory), the HF source's files copy_source links
-    and its carried tensors."""
+    """The paths in a step directory that write_run_files writes (the Saver checks their length before step 1)."""
     names = []
     if hasattr(tokenizer, "save"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -250,8 +240,7 @@ def call(fn, *args, **kwargs):
         raise SystemExit(f"{e}. Check --load (a save directory or DIR/step_N of a run of this model)") from None
 
 
-def _save_dir(load, step_dir):
-    """The save directory a checkpoint was loaded from: --load itself, or the parent of a step directory."""
+def _save_dir(load, step_dir):   # --load itself, or the parent of a step directory
     if not checkpoint.complete(load):
         return load
     parent = os.path.dirname(os.path.abspath(step_dir))
@@ -262,6 +251,5 @@ def _real(path):
     return os.path.realpath(path)
 
 
-def _inside(path, root):
-    """Whether `path` is `root` or lies in it (a save directory or one of its step directories)."""
+def _inside(path, root):   # `path` is `root` or lies in it
     return root is not None and (_real(path) + os.sep).startswith(_real(root) + os.sep)

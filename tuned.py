@@ -1,11 +1,8 @@
 """The Mamba kernels' start-up (docs/speed.md §2): mamba_ssm's fused Mamba2 function loaded without its package's
-__init__, its SSD kernels' Triton configs taken from a table tuned on an H100 for the presets' shapes, and one
-Triton cache directory for the whole process.
-
-TABLE (tuned.json, written by bench/tune_mamba.py) maps each kernel and the shape part of its autotune key to the
-config the autotuner chose on one H100; a call whose shape is in it runs that config, untimed, any other shape
-autotunes as before. It applies on compute capability 9.0 only: another GPU's limits (shared memory) may refuse a
-config chosen there. The choice changes speed, never results: every config computes the same sums.
+__init__ (6 s a process), one Triton cache directory, and its SSD kernels' Triton configs from TABLE (tuned.json,
+bench/tune_mamba.py: {kernel: {the shape part of its autotune key: config}}, as chosen on one H100), untimed; other
+shapes autotune. Only on compute capability 9.0: another GPU's limits may refuse a config. Every config computes the
+same sums: the choice changes speed, never results.
 """
 import importlib.util
 import json
@@ -85,12 +82,9 @@ def _prune_to(chosen, keys, before):
 
 
 def _time_no_lone_config(tuner):
-    """Triton 3.6's Autotuner.run times the configs its pruning leaves, one included (do_bench: >= 125 ms of runs a
-    kernel, every process for those whose configs carry a pre_hook, which its disk cache skips); triton after PR
-    #10413 takes a lone config untimed. Here too: do_bench returns zeros without launching when the last pruning
-    left one config. The kernel then runs once with that config, as after timing: the same results. Relies on the
-    tuner's do_bench attribute (a cached_property in 3.6, called by Autotuner._bench); where it is missing or
-    cannot be set, nothing changes."""
+    """Triton 3.6 times even a lone config its pruning leaves (>= 125 ms a kernel, every process for configs with a
+    pre_hook); triton after PR #10413 does not. Here too: do_bench returns zeros without launching when the last
+    pruning left one config. Relies on the tuner's do_bench attribute; where it cannot be set, nothing changes."""
     prune, bench = tuner.early_config_prune, getattr(tuner, "do_bench", None)
     if prune is None or not callable(bench):
         return

@@ -1,7 +1,5 @@
-"""Videos in the data (docs/vision.md §11): the header (frame count, rate, size), frame sampling, decoding (PyAV:
-`pip install -e '.[video]'`), the fixed canvas, tubelets and the text around them. The sampled frames, resized to
-one canvas and normalised, become one tubelet [3t, H, W] per t frames (the last repeated up to a multiple of t),
-each embedded like an image of its grid and wrapped as `LABEL<img><image>...</img>`, tubelets joined by a newline.
+"""Videos in the data (docs/vision.md §11), as transformers' Omni processor reads them: the header, frame sampling,
+decoding (PyAV), the fixed canvas, tubelets [3t, H, W] of t frames and the text around them.
 
 Shape suffixes: F frames   3 RGB   H, W pixels   t frames per tubelet
 """
@@ -62,9 +60,8 @@ def probe(src):
 
 
 def sample_indices(n, fps, want_fps, max_frames):
-    """Which of n frames to keep: transformers' default_sample_indices_fn (k evenly spaced frames, i*n//k), with k
-    = max(1, int(n / fps * want_fps)) at a wanted rate (every frame without one, or when the rate is unknown), at
-    most max_frames (0: no limit) and at most n."""
+    """Which of n frames to keep: transformers' default_sample_indices_fn (k evenly spaced frames) at a wanted rate
+    (every frame without one or an unknown rate), at most max_frames (0: no limit)."""
     k = max(1, int(n / fps * want_fps)) if want_fps and fps else n
     k = min(k, max_frames or k, n)
     return [i * n // k for i in range(k)]
@@ -86,9 +83,8 @@ def decode(src, indices):
 
 
 def canvas(H, W, target):
-    """A video's patch grid (th, tw): transformers' Omni video processor `_compute_target_patches` with its aspect
-    kept and the 2x2 shuffle's divisor 2: sides near sqrt(target / aspect), sqrt(target * aspect), each rounded up
-    to even if both fit the target together, else down (at least 2)."""
+    """A video's patch grid (th, tw): transformers' Omni `_compute_target_patches`, its aspect kept, each side
+    rounded up to even if both fit `target` together, else down (at least 2)."""
     aspect = W / max(H, 1)
     th, tw = max(round(math.sqrt(target / aspect)), 1), max(round(math.sqrt(target * aspect)), 1)
     up_h, up_w = th + th % 2, tw + tw % 2
@@ -107,9 +103,8 @@ def tubelets(frames_F3HW, th, tw, p, t):
 
 
 def labels(indices, fps, t):
-    """The text before each tubelet, as transformers' Omni processor writes it: 'Frame 1 sampled at 0.00 seconds
-    and frame 2 sampled at 0.50 seconds: ' (frame k at int(index_k) * int(1000 / fps) / 1000 s), or 'Frame 1 and
-    frame 2: ' without a known rate."""
+    """The text before each tubelet: 'Frame 1 sampled at 0.00 seconds and frame 2 sampled at 0.50 seconds: ', or
+    'Frame 1 and frame 2: ' without a known rate."""
     ms = int(1000.0 / fps) if fps else None
     out = []
     for g in range(math.ceil(len(indices) / t)):

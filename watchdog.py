@@ -1,24 +1,13 @@
-"""Nothing hangs, and one rank's failure ends the run (docs/parallel.md §9, docs/failures.md §2, §11): a run whose
-ranks stop making progress ends within --collective-timeout, with one line from one rank naming the operation it
-waits in, its group and the rank that does not answer.
+"""Nothing hangs, and one rank's failure ends the run (docs/parallel.md §9, docs/failures.md §2, §11).
 
-The main thread marks where it is (mark: a new place, e.g. a micro-batch; progress: still busy in the same place,
-e.g. one more file written). A daemon thread per rank beats into the run's store: a sequence number, whether the
-main thread is overdue (in one place longer than the timeout, or FIRST times it in set-up, a first step or a first
-evaluation) and where it waits, read off its stack. An overdue rank looks at the others' beats; once every other
-rank is overdue too or has stopped beating (a stopped, crashed or swapping process), the run is stuck: the first
-rank to claim the verdict prints the line, and every rank that sees it exits with EXIT_STATUS (torchrun then ends
-the rest). torch's own process-group timeouts (the timeout plus BACKSTOP_S) end the run only if this thread cannot.
-
-A rank whose main() raises an error that is no user's (cli.run) claims the `failed` key with its line (fail) and
-ends its process. Every TICK_S each thread looks for that key and for a verdict, and ends its process quietly when
-it finds one, whatever its main thread waits in (a collective on the failed rank would wait for ever over NCCL).
-
-Signals: Python runs a handler only when the main thread executes bytecode, which a main thread blocked in a
-collective does not. So the interpreter's C handler also writes the signal's number to a socket this thread reads
-(signal.set_wakeup_fd). The main thread's handler stops the run at the next micro-batch boundary (failsafe.Stop);
-where it cannot get there, because a rank stopped beating or the store is gone, this thread ends the process with
-128 + the signal.
+The main thread marks where it is (mark: a new place; progress: still busy there). A daemon thread per rank beats
+into the run's store: a sequence number, whether the main thread is overdue and where it waits, read off its stack.
+An overdue rank looks at the others' beats; once every other rank is overdue too or has stopped beating, the run is
+stuck: the first rank to claim the verdict prints the line, and every rank that sees it exits. A rank whose main()
+fails claims the `failed` key (fail); every thread looks for it each TICK_S and ends its process, whatever its main
+thread waits in (over NCCL a collective on the failed rank would wait for ever). A main thread blocked in a
+collective runs no Python signal handler, so the C handler also writes the signal to a socket this thread reads
+(signal.set_wakeup_fd), and ends the process where the graceful stop (failsafe.Stop) cannot come.
 """
 import datetime
 import json
@@ -53,8 +42,7 @@ def name(group, label):
     _names[group] = label
 
 
-def backstop(timeout):
-    """The timeout to give torch's process groups."""
+def backstop(timeout):   # torch's own process-group timeouts end the run only if this thread cannot
     return datetime.timedelta(seconds=timeout + BACKSTOP_S)
 
 
@@ -67,9 +55,8 @@ def start(timeout, beat=None):
 
 
 def stop():
-    """The watched thread leaves main() (from a finally: sys.exc_info() holds the error main() raises, if any):
-    normally, or by an error (cli.run then calls fail), or by an error that another rank's end caused: after a
-    verdict or a failed rank it exits as the watchdog would, quietly."""
+    """The watched thread leaves main() (from a finally: sys.exc_info() holds its error, if any); by an error that
+    another rank's end caused (a verdict, a failed rank), it exits as the watchdog would, quietly."""
     if _active is not None and not _active.done.is_set():
         signal.set_wakeup_fd(_active.old_wakeup)   # before the socket closes: its number may be reused
         _active.done.set()
@@ -82,9 +69,8 @@ def stop():
 
 
 def fail(line):
-    """This rank's main() failed: tell the others (the `failed` key holds its line) -> whether this rank reports it
-    (False: another rank failed first). Rank 0 of a run without torchrun's agent hosts the store in its process:
-    it keeps it until every rank is going (HOLD_S at most)."""
+    """This rank's main() failed: tell the others -> whether this rank reports it (False: another failed first).
+    Rank 0 of a run without torchrun's agent hosts the store: it keeps it until every rank is going."""
     if _active is None:
         return True
     store = _active.store
@@ -102,7 +88,7 @@ def fail(line):
 
 
 def leave(status, quiet=True):
-    """Ends this process at once (os._exit: the interpreter's exit can hang), its DataLoader workers first (they would
+    """Ends this process at once (os._exit: the interpreter's exit can hang), its DataLoader workers first (they
     look for it gone only every 5 s). quiet: what the dying main thread raises meanwhile goes to /dev/null."""
     try:
         for worker in multiprocessing.active_children():
@@ -116,20 +102,17 @@ def leave(status, quiet=True):
     os._exit(status)
 
 
-def mark(where, first=False):
-    """The watched thread is at a new place; it may stay there the timeout (FIRST times it in a first step)."""
+def mark(where, first=False):   # a first (set-up, step, evaluation) may take FIRST timeouts
     global _state
     _state = (where, time.monotonic(), first)
 
 
-def progress():
-    """Still busy at the same place (a long loop of its own: files written, tensors read)."""
+def progress():   # still busy at the same place (files written, tensors read)
     global _state
     _state = (_state[0], time.monotonic(), _state[2])
 
 
-def where():
-    """The watched thread's mark: 'step 3, micro-batch 2/4'."""
+def where():   # 'step 3, micro-batch 2/4'
     return _state[0]
 
 
@@ -213,7 +196,7 @@ class Watchdog:
         self.wakeup.close()
 
     def _wait(self):
-        """A tick's wait for a signal (noted in .signalled) -> whether the watched thread is still in main()."""
+        """A tick's wait for a signal -> whether the watched thread is still in main()."""
         if select.select([self.wakeup], [], [], self.beat / self.ticks)[0]:
             got = [s for s in self.wakeup.recv(64) if s in SIGNALS]
             self.signalled = self.signalled or (got[0] if got else 0)
@@ -253,8 +236,7 @@ class Watchdog:
         leave(EXIT_STATUS)
 
     def _others(self, now):
-        """{rank: (alive, overdue, where, waits)} of the other ranks, from their beats; alive: a new one within the
-        last three beats (a rank yet to beat: within three beats of this thread's first look)."""
+        """{rank: (alive, overdue, where, waits)} of the other ranks; alive: a new beat within the last three."""
         keys = [str(r) for r in range(self.world) if r != self.rank]
         if not self.store.check(keys):                 # one read for all once every rank has beaten
             keys = [k for k in keys if self.store.check([k])]
@@ -271,8 +253,8 @@ class Watchdog:
         return sorted(r for r, (alive, *_) in self._others(time.monotonic()).items() if not alive)
 
     def _interrupted(self, silent):
-        """A signal while `silent` ranks stopped beating (or, empty, the store is gone): the main thread may wait
-        on them for ever, so the process ends now (the lowest rank still beating says why)."""
+        """A signal while `silent` ranks stopped beating (empty: the store is gone), whom the main thread may wait
+        on for ever: the process ends now (the lowest rank still beating says why)."""
         name = signal.Signals(self.signalled).name
         if silent and self.rank == min(set(range(self.world)) - set(silent)):
             print(f"interrupted by {name} while {_ranks(silent)} {'does' if len(silent) == 1 else 'do'} not "
@@ -280,8 +262,8 @@ class Watchdog:
         leave(128 + self.signalled)
 
     def _alone(self):
-        """The store is gone. On a normal end the main thread leaves main() soon; otherwise nobody can answer this
-        rank any more: a signal ends it at once, and so does being overdue (EXIT_STATUS, with a line)."""
+        """The store is gone (the run ends, or nobody can answer this rank any more): a signal ends it at once, and
+        so does being overdue."""
         while self._wait():
             if self.signalled:
                 self._interrupted([])

@@ -40,6 +40,7 @@ import cost
 import data
 import failsafe
 import init
+import lanes
 import layout
 import locks
 import logs
@@ -180,14 +181,17 @@ def setup(cfg, inv, start, device, say):
         run.train_data = failsafe.SkipBad(run.train_data)
     if inv.eval_only and eval_data is None:
         eval_data = run.train_data
-    own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
+    own, pixels = lanes.rank_offsets(lay, par)  # this rank's positions in each micro-batch; pixels on vision ranks
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
     pin = pixels and device.type == "cuda"   # images pinned ahead, in the loader's thread
-    run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers, pin)
+    spm, weigh = lay.samples_per_microbatch, (memory.tower_trains(cfg), (cost.LM_EFFICIENCY, cost.VISION_EFFICIENCY))
+    run.train_loader = data.Loader(run.train_data, own, spm, pixels, workers, pin,
+                                   lanes.Lanes(cfg, run.train_data, lay, cfg.global_batch, *weigh))
     if eval_data is not None:
         n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
-        run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
-        run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels, pin=pin)
+        run.eval_set = data.EvalSet(eval_data, n, spm)
+        run.eval_loader = data.Loader(run.eval_set, own, spm, pixels, pin=pin,
+                                      order=lanes.Lanes(cfg, run.eval_set, lay, spm, *weigh))
         if inv.eval_only and run.log_rank:
             what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
                     f"--eval-data {cfg.eval_data}" if cfg.eval_data else
@@ -219,10 +223,11 @@ def datasets(cfg, tokenizer, verbose):
     return train_data, mock.MockData(cfg, cfg.seed + 1)
 
 
-def lane_share(run, ds, first, side):
-    """This rank's data lane's samples ("vision" or "lm" `side`) of the micro-batch that starts at sample `first`."""
+def lane_share(run, ds, slots, side):
+    """This rank's data lane's samples ("vision" or "lm" `side`) of a micro-batch whose positions hold samples
+    `slots` (data.Loader.slots)."""
     m = run.par.vision if side == "vision" else run.par.lm
-    return [ds[first + i] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
+    return [ds[slots[i]] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
 
 
 def work(run, samples, mtp_weights=()):
@@ -288,7 +293,7 @@ def train_step(run, step, stop, first=False):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
 
     def samples(k, side):
-        return lane_share(run, batch, base + k * spm, side)
+        return lane_share(run, batch, run.train_loader.slots(base + k * spm), side)
     ours = {side: [s for k in range(n_micro) for s in samples(k, side)] if held else []
             for side, held in (("vision", run.vision is not None), ("lm", lm is not None))}
     depths = model.mtp_depths(cfg)
@@ -345,7 +350,7 @@ def evaluate(run, stop, first=False):
         if k not in loaded:
             loaded.clear()
             loaded[k] = run.eval_loader.step(k * spm, 1)
-        return lane_share(run, loaded[k], k * spm, side)
+        return lane_share(run, loaded[k], run.eval_loader.slots(k * spm), side)
     for m in run.modules.values():
         m.eval()
     with torch.no_grad():

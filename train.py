@@ -276,7 +276,7 @@ def reduce_loss(run, sums, n):
 
 
 def train_step(run, step, stop, first=False):
-    """One optimizer step (the module docstring) -> (its history entry, {"flops": this rank's share of the model
+    """One optimizer step (the module docstring) -> (its history entry, {"flops": this rank's share of the tower's
     FLOPs, "expert_counts": per MoE layer and expert, the routed tokens, or None}), or None when a signal (`stop`,
     every rank agreeing at micro-batch boundaries) abandoned it; updates run.counters. `first`: the process's first
     step (it compiles: the watchdog allows it more)."""
@@ -327,10 +327,9 @@ def train_step(run, step, stop, first=False):
     loss = reduce_loss(run, [p.sum.detach().float() for p in parts], n_global)
     mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts], n)   # logged apart, per depth
            for d, n in enumerate(n_mtp)]
-    # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
-    flops = sum(vlm.flops(cfg, ours[side], side, trains) for side, m, trains in (
-        ("vision", par.vision, memory.tower_trains(cfg)), ("lm", par.lm, True))
-        if m is not None and m.lane_lead)
+    # MFU: each vision lane's images counted once, by its lead; a frozen tower's forward only
+    flops = vlm.flops(cfg, ours["vision"], "vision", memory.tower_trains(cfg)) \
+        if par.vision is not None and par.vision.lane_lead else 0
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "ok": ok,
@@ -385,13 +384,17 @@ def step_record(run, h, local, log):
     mine = counts.cpu() if moe_due and counts is not None and m.tp_rank == m.cp_rank == m.dp_rank == 0 else None
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, its FLOPs, MoE counts
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"], mine))
-    h["model_flops"] = sum(f for _, f, _ in per_rank)
+    vision = sum(f for _, f, _ in per_rank)
+    # the real work: the images encoded and the non-padding tokens (padding runs too, but is no one's progress)
+    h["model_flops"] = vision + tokens * model.lm_flops_per_token(cfg, cfg.seq_len)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), logs.peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
+    uneven = lanes.imbalance(run.lay, run.train_loader.order.step((h["step"] - 1) * cfg.global_batch)[1])
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
            "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
            "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-           "step_time_s": dt, "elapsed_s": elapsed,
+           "fill": tokens / (cfg.global_batch * cfg.seq_len), "tower_share": vision / h["model_flops"],
+           "lane_imbalance_vision": uneven[0], "lane_imbalance_lm": uneven[1], "step_time_s": dt, "elapsed_s": elapsed,
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
            "peak_mem_gib_per_rank": [g for g, _, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}

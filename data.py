@@ -600,8 +600,11 @@ class EvalSet:
 # ---------------------------------------------------------------- loading ahead, per rank
 
 class _Microbatches(torch.utils.data.Dataset):
-    def __init__(self, ds, offsets, pixels, slots):
-        self.ds, self.offsets, self.pixels, self.slots = ds, offsets, pixels, slots
+    def __init__(self, ds, offsets, pixels, spm, order):
+        self.ds, self.offsets, self.pixels, self.spm, self.order = ds, offsets, pixels, spm, order
+
+    def slots(self, first):
+        return self.order(first) if self.order is not None else range(first, first + self.spm)
 
     def __getitem__(self, first):
         out, slots = {}, self.slots(first)
@@ -633,15 +636,13 @@ class Loader:
     def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, pin=False, order=None):
         self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
         self.num_workers, self.pin, self.next, self.it, self.order = num_workers, pin, 0, None, order
-
-    def slots(self, first):
-        """The global indices of the samples at each position of the micro-batch starting at sample `first`."""
-        return self.order(first) if self.order is not None else range(first, first + self.spm)
+        self.source = _Microbatches(ds, self.offsets, pixels, samples_per_microbatch, order)
+        self.slots = self.source.slots   # the global indices at each position of the micro-batch from sample `first`
 
     def step(self, base, n_micro):
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
-                _Microbatches(self.ds, self.offsets, self.pixels, self.slots), batch_size=None,
+                self.source, batch_size=None,
                 sampler=itertools.count(base, self.spm), num_workers=self.num_workers, collate_fn=_identity,
                 worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None,
                 pin_memory=self.pin))

@@ -1,15 +1,14 @@
 """Which position of its micro-batch each sample of a step takes (docs/data.md §9). A step's samples are the same in
 every layout (data.py), and which lane trains which of them is free: the loss is a sum over all the step's tokens
 over their global count, so any partition gives it up to float order. In index order one lane may get a document
-page and its neighbour a text-only chat; here every rank computes, from the step's sample indices and the data's
-index alone, the same order by predicted cost: longest first, each to the least-loaded (micro-batch, lane) bin
-with room.
+page and its neighbour a text-only chat, and each micro-batch waits for its slowest lane; here every rank computes,
+from the step's sample indices and the data's index alone, the same order by predicted cost (assign).
 
 A micro-batch's positions stay where they are (parallel.lane_samples: vision lane e holds [e*vmb, (e+1)*vmb),
 language lane j [j*mb, (j+1)*mb); the bridge's links are their overlaps), so an assignment is an order: which
 sample sits at each position. A position's vision lane and language lane come with it: where both grids have the
-same lanes, a vision lane's samples are its language lane's, and one order balances both costs at once (the
-largest of the two sides' loads, each over its mean). In place a lane runs both modules: its cost is their sum.
+same lanes, a vision lane's samples are its language lane's, and one order balances both costs at once (each
+side's work over its mean lane's). In place a lane runs both modules: its cost is their sum.
 """
 import math
 
@@ -95,8 +94,7 @@ def imbalance(lay, work):
 class Lanes:
     """A loader's order (data.Loader): slots(first) -> the global indices of the samples at each position of the
     micro-batch starting at sample `first`, assigned over groups of `group` samples (a step's global batch; an
-    evaluation's micro-batch). Kept here, beside the data, so that the core imports no planner: the caller passes
-    the cost model's rates."""
+    evaluation's micro-batch). The caller passes the cost model's rates: the core imports no planner."""
 
     def __init__(self, cfg, ds, lay, group, tower_trains, rates):
         self.cfg, self.ds, self.lay, self.group, self.trains, self.rates = cfg, ds, lay, group, tower_trains, rates

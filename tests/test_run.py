@@ -272,7 +272,7 @@ def test_log_lines(tmp_path):
     counts = logs.param_counts(config.resolve("tiny"))                                         # stage 2
     assert "parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()) in lines
     steps = [line for line in lines if line.startswith("step ")]
-    work = r"tok/s/GPU \d+ \| MFU N/A \| fill 33% \| tower 0% \| lanes -/1.00"   # one lane, text only
+    work = r"tok/s/GPU \d+ \| MFU N/A \| fill 33% \| tower 0% \| lanes 1.00/1.00"   # one lane, in place
     pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| " + work +
                r" \| peak mem [0-9.]+ GiB \| \d+ ms \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d")
     assert [re.fullmatch(pattern, line).group(1) for line in steps] == ["1", "2", "3"], steps
@@ -286,7 +286,7 @@ def test_log_lines(tmp_path):
     assert [r["tokens"] for r in step_recs] == [64, 64, 64]                                 # not 2 x 96
     assert all(r["tokens_per_s"] == pytest.approx(64 / r["step_time_s"]) and r["steps"] == 3 for r in step_recs)
     assert {"elapsed_s", "eta_s", "peak_mem_gib_per_rank", "mfu", "lr", "grad_norm"} <= set(step_recs[0])
-    assert all(r["fill"] == 64 / 192 and r["tower_share"] == 0 and r["lane_imbalance_vision"] is None and
+    assert all(r["fill"] == 64 / 192 and r["tower_share"] == 0 and r["lane_imbalance_vision"] == 1.0 and
                r["lane_imbalance_lm"] == 1.0 for r in step_recs)
     assert [r["eval_tokens"] for r in recs if "eval_loss" in r] == [62]                     # 2 x 31 targets
 

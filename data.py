@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 import formats
-import parallel
 import radio
 import video
 import watchdog
@@ -50,6 +49,17 @@ class Sample:
         """A DataLoader pinning (Loader on CUDA) calls it in its own thread: the images' copies to the GPU then
         neither wait for the GPU nor stage every pixel through pinned memory on the step's path."""
         return replace(self, images=[img.pin_memory() for img in self.images])
+
+
+def sizes(ds, i):
+    """(non-padding tokens, patches of each image) of sample i of `ds`, what lanes.py weighs: from the index where
+    `ds` has one (RealData), else from the sample built without pixels (the mock's is cheap: its placeholders are
+    one image's)."""
+    if hasattr(ds, "sizes"):
+        return ds.sizes(i)
+    s = ds.sample(i, pixels=False)
+    n = int((s.input_ids == ds.cfg.image_token_id).sum())
+    return len(s.input_ids) - s.n_pad, [4 * n] if n else []
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -483,6 +493,19 @@ class RealData:
             raise BadSample(f"{where}: {len(ids)} tokens, the index says {idx['lengths'][d]}; file changed?")
         return ids, mask, images
 
+    def sizes(self, i):
+        """(non-padding tokens, patches of each image) of sample i from the index alone (a document's images share
+        its patches evenly: the index keeps their sum)."""
+        s, k = self.blend(i)
+        idx = self.sources[s][2]
+        docs = self.row(s, k) if self.pack else [self.doc(s, k)]
+        patches = []
+        for d in docs:
+            n = int(idx["images"][d])
+            q, r = divmod(4 * int(idx["image_tokens"][d]), max(n, 1))
+            patches += [q + 1] * r + [q] * (n - r)
+        return sum(int(idx["lengths"][d]) for d in docs), patches
+
     def sample(self, i, pixels=True):
         """Sample i; without pixels (language-only ranks) images are not decoded and Sample.images is None."""
         s, k = self.blend(i)
@@ -564,6 +587,9 @@ class EvalSet:
     def __len__(self):
         return self.size
 
+    def sizes(self, i):
+        return sizes(self.ds, i if i < self.n else 0)
+
     def sample(self, i, pixels=True):
         if i < self.n:
             return self.ds.sample(i, pixels)
@@ -573,25 +599,17 @@ class EvalSet:
 
 # ---------------------------------------------------------------- loading ahead, per rank
 
-def rank_offsets(lay, par):
-    """(positions inside a global micro-batch this rank builds, whether it needs pixels): its vision lane's and/or
-    language lane's samples (parallel.lane_samples). Only vision ranks decode images."""
-    own = set()
-    if par.in_vision:
-        own |= set(parallel.lane_samples(lay, "vision", par.vision.dp_rank))
-    if par.in_lm:
-        own |= set(parallel.lane_samples(lay, "lm", par.lm.dp_rank))
-    return sorted(own), par.in_vision
-
-
 class _Microbatches(torch.utils.data.Dataset):
-    def __init__(self, ds, offsets, pixels):
-        self.ds, self.offsets, self.pixels = ds, offsets, pixels
+    def __init__(self, ds, offsets, pixels, spm, order):
+        self.ds, self.offsets, self.pixels, self.spm, self.order = ds, offsets, pixels, spm, order
+
+    def slots(self, first):
+        return self.order(first) if self.order is not None else range(first, first + self.spm)
 
     def __getitem__(self, first):
-        out = {}
+        out, slots = {}, self.slots(first)
         for o in self.offsets:   # in the rank's own process without workers: the watchdog sees each sample come
-            out[first + o] = self.ds.sample(first + o, self.pixels)
+            out[slots[o]] = self.ds.sample(slots[o], self.pixels)
             watchdog.progress()
         return out
 
@@ -610,18 +628,21 @@ def _leave_signals_to_the_rank(worker_id):
 
 class Loader:
     """The samples one rank owns, built ahead by DataLoader workers: step(base, n_micro) -> {global index: Sample}
-    of the micro-batches starting at base, base + spm, ... Asked for a position it did not expect (resume, a
-    restarted eval), it restarts its stream there. state_dict() holds the next global sample index: one number
-    serves every language lane, each lane's own samples follow from it (lane_samples)."""
+    of the micro-batches starting at base, base + spm, ... `offsets`: the rank's positions in a micro-batch; which
+    sample sits at each position is slots(first): index order, or `order`'s (lanes.Lanes: by cost). Asked for a
+    position it did not expect (resume, a restarted eval), it restarts its stream there. state_dict() holds the
+    next global sample index: one number serves every language lane, each lane's own samples follow from it."""
 
-    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, pin=False):
+    def __init__(self, ds, offsets, samples_per_microbatch, pixels=True, num_workers=0, pin=False, order=None):
         self.ds, self.offsets, self.spm, self.pixels = ds, list(offsets), samples_per_microbatch, pixels
-        self.num_workers, self.pin, self.next, self.it = num_workers, pin, 0, None
+        self.num_workers, self.pin, self.next, self.it, self.order = num_workers, pin, 0, None, order
+        self.source = _Microbatches(ds, self.offsets, pixels, samples_per_microbatch, order)
+        self.slots = self.source.slots   # the global indices at each position of the micro-batch from sample `first`
 
     def step(self, base, n_micro):
         if self.it is None or base != self.next:
             self.it = iter(torch.utils.data.DataLoader(
-                _Microbatches(self.ds, self.offsets, self.pixels), batch_size=None,
+                self.source, batch_size=None,
                 sampler=itertools.count(base, self.spm), num_workers=self.num_workers, collate_fn=_identity,
                 worker_init_fn=_leave_signals_to_the_rank, prefetch_factor=4 if self.num_workers else None,
                 pin_memory=self.pin))

@@ -77,7 +77,11 @@ def data_summary(name, ds):
 # that only ever get added to, since dashboards and run comparisons key on them
 STEP_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm", "train/mfu": "mfu",
                 "train/skipped_steps": "skipped", "train/step_time_s": "step_time_s",
-                "train/tokens_per_s": "tokens_per_s", "train/tokens_per_s_per_gpu": "tokens_per_s_per_gpu"}
+                "train/tokens_per_s": "tokens_per_s", "train/tokens_per_s_per_gpu": "tokens_per_s_per_gpu",
+                "train/fill": "fill", "train/tower_share": "tower_share",
+                "train/lane_imbalance_vision": "lane_imbalance_vision", "train/lane_imbalance_lm": "lane_imbalance_lm"}
+# the where-the-time-goes figures of a step line, the closing summary's means of them
+WORK = ("tokens_per_s_per_gpu", "mfu", "fill", "tower_share", "lane_imbalance_vision", "lane_imbalance_lm")
 EVAL_SCALARS = {"eval/loss": "eval_loss", "eval/ppl": "eval_ppl"}
 
 
@@ -167,6 +171,7 @@ class Log:
         self.bar = tqdm(total=cfg.steps, initial=first_step, unit="step",
                         disable=not (on and sys.stdout.isatty()))  # a progress bar only for a person watching
         self.last = {}
+        self.work = []   # the WORK figures of each logged step after the process's first (it compiles)
 
     def say(self, msg):
         if self.on:
@@ -196,13 +201,14 @@ class Log:
         self.last.update(loss=rec["loss"], step=rec["step"])
         if not self.on:
             return
-        na = lambda v, f: "N/A" if v is None else format(v, f)  # noqa: E731
         mtp = "".join(f" | mtp{k} {v:.4f}" for k, v in enumerate(rec.get("mtp_loss", ()), 1))
         self.say(f"step {rec['step']}/{rec['steps']} | loss {rec['loss']:.4f}{mtp} | lr {rec['lr']:.3e} | "
-                 f"grad norm {rec['grad_norm']:.3f} | skipped {rec['skipped']} | tok/s {rec['tokens_per_s']:.0f} | "
-                 f"MFU {na(rec['mfu'], '.1%')} | peak mem {max(rec['peak_mem_gib_per_rank']):.2f} GiB | "
+                 f"grad norm {rec['grad_norm']:.3f} | skipped {rec['skipped']} | {work_line(rec)} | "
+                 f"peak mem {max(rec['peak_mem_gib_per_rank']):.2f} GiB | "
                  f"{rec['step_time_s'] * 1e3:.0f} ms | elapsed {fmt_time(rec['elapsed_s'])} | "
                  f"ETA {fmt_time(rec['eta_s'])}")
+        if rec["step"] > self.first + 1:
+            self.work.append([rec[k] for k in WORK])
         self._record(rec, step_scalars(rec), rec["step"])
 
     def _record(self, rec, scalars, step):
@@ -248,6 +254,10 @@ class Log:
         if not self.on:
             return
         fmt = lambda k: "N/A" if self.last.get(k) is None else f"{self.last[k]:.4f}"  # noqa: E731
+        if self.work:
+            known = [[v for v in col if v is not None] for col in zip(*self.work)]
+            means = {k: sum(v) / len(v) if v else None for k, v in zip(WORK, known)}
+            self.say(f"mean of {len(self.work)} logged steps after the first: {work_line(means)}")
         self.say(f"done: {step - self.first} steps (to step {step}) in {fmt_time(self.elapsed())} | last loss "
                  f"{fmt('loss')} | last eval loss {fmt('eval_loss')}")
         if save_dir:   # the checkpoint holds everything else the run needs (resume.py)
@@ -259,6 +269,15 @@ class Log:
             more = " (add --steps N to train on)" if step >= self.steps else ""   # unfinished: the line goes on
             self.say(f"checkpoint: {save_dir}\nresume{more}: {launcher} train.py --load {load}\n"
                      f"export: python hf_interop.py export-hf --load {load} --out HF_DIR")
+
+
+def work_line(rec):
+    """Where the time went, short: real tokens/s/GPU, MFU, row fill, the tower's share of the FLOPs, lane imbalance
+    (vision / language; - where a side had no work)."""
+    na = lambda v, f, none="N/A": none if v is None else format(v, f)  # noqa: E731
+    return (f"tok/s/GPU {rec['tokens_per_s_per_gpu']:.0f} | MFU {na(rec['mfu'], '.1%')} | fill {rec['fill']:.0%} | "
+            f"tower {rec['tower_share']:.0%} | lanes {na(rec['lane_imbalance_vision'], '.2f', '-')}/"
+            f"{na(rec['lane_imbalance_lm'], '.2f', '-')}")
 
 
 def json_line(rec):

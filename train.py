@@ -40,6 +40,7 @@ import cost
 import data
 import failsafe
 import init
+import lanes
 import layout
 import locks
 import logs
@@ -179,14 +180,17 @@ def setup(cfg, inv, start, device, say):
         run.train_data = failsafe.SkipBad(run.train_data)
     if inv.eval_only and eval_data is None:
         eval_data = run.train_data
-    own, pixels = data.rank_offsets(lay, par)  # this rank's samples of each micro-batch; pixels on vision ranks
+    own, pixels = lanes.rank_offsets(lay, par)  # this rank's positions in each micro-batch; pixels on vision ranks
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
     pin = pixels and device.type == "cuda"   # images pinned ahead, in the loader's thread
-    run.train_loader = data.Loader(run.train_data, own, lay.samples_per_microbatch, pixels, workers, pin)
+    spm, weigh = lay.samples_per_microbatch, (memory.tower_trains(cfg), (cost.LM_EFFICIENCY, cost.VISION_EFFICIENCY))
+    run.train_loader = data.Loader(run.train_data, own, spm, pixels, workers, pin,
+                                   lanes.Lanes(cfg, run.train_data, lay, cfg.global_batch, *weigh))
     if eval_data is not None:
         n = cfg.eval_samples or (MOCK_EVAL_SAMPLES if isinstance(eval_data, mock.MockData) else len(eval_data))
-        run.eval_set = data.EvalSet(eval_data, n, lay.samples_per_microbatch)
-        run.eval_loader = data.Loader(run.eval_set, own, lay.samples_per_microbatch, pixels, pin=pin)
+        run.eval_set = data.EvalSet(eval_data, n, spm)
+        run.eval_loader = data.Loader(run.eval_set, own, spm, pixels, pin=pin,
+                                      order=lanes.Lanes(cfg, run.eval_set, lay, spm, *weigh))
         if inv.eval_only and run.log_rank:
             what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
                     f"--eval-data {cfg.eval_data}" if cfg.eval_data else
@@ -218,10 +222,11 @@ def datasets(cfg, tokenizer, verbose):
     return train_data, mock.MockData(cfg, cfg.seed + 1)
 
 
-def lane_share(run, ds, first, side):
-    """This rank's data lane's samples ("vision" or "lm" `side`) of the micro-batch that starts at sample `first`."""
+def lane_share(run, ds, slots, side):
+    """This rank's data lane's samples ("vision" or "lm" `side`) of a micro-batch whose positions hold samples
+    `slots` (data.Loader.slots)."""
     m = run.par.vision if side == "vision" else run.par.lm
-    return [ds[first + i] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
+    return [ds[slots[i]] for i in parallel.lane_samples(run.lay, side, m.dp_rank)]
 
 
 def work(run, samples, mtp_weights=()):
@@ -270,7 +275,7 @@ def reduce_loss(run, sums, n):
 
 
 def train_step(run, step, stop, first=False):
-    """One optimizer step (the module docstring) -> (its history entry, {"flops": this rank's share of the model
+    """One optimizer step (the module docstring) -> (its history entry, {"flops": this rank's share of the tower's
     FLOPs, "expert_counts": per MoE layer and expert, the routed tokens, or None}), or None when a signal (`stop`,
     every rank agreeing at micro-batch boundaries) abandoned it; updates run.counters. `first`: the process's first
     step (it compiles: the watchdog allows it more)."""
@@ -287,7 +292,7 @@ def train_step(run, step, stop, first=False):
         run.train_data.skip_agreed(batch, run.train_loader.pixels, say=print if run.log_rank else lambda msg: None)
 
     def samples(k, side):
-        return lane_share(run, batch, base + k * spm, side)
+        return lane_share(run, batch, run.train_loader.slots(base + k * spm), side)
     ours = {side: [s for k in range(n_micro) for s in samples(k, side)] if held else []
             for side, held in (("vision", run.vision is not None), ("lm", lm is not None))}
     depths = model.mtp_depths(cfg)
@@ -320,10 +325,9 @@ def train_step(run, step, stop, first=False):
     loss = reduce_loss(run, [p.sum.detach().float() for p in parts], n_global)
     mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts], n)   # logged apart, per depth
            for d, n in enumerate(n_mtp)]
-    # MFU: each lane's FLOPs counted once, by its lead; a frozen tower's forward only
-    flops = sum(vlm.flops(cfg, ours[side], side, trains) for side, m, trains in (
-        ("vision", par.vision, memory.tower_trains(cfg)), ("lm", par.lm, True))
-        if m is not None and m.lane_lead)
+    # MFU: each vision lane's images counted once, by its lead; a frozen tower's forward only
+    flops = vlm.flops(cfg, ours["vision"], "vision", memory.tower_trains(cfg)) \
+        if par.vision is not None and par.vision.lane_lead else 0
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     return {"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr, "ok": ok,
@@ -343,7 +347,7 @@ def evaluate(run, stop, first=False):
         if k not in loaded:
             loaded.clear()
             loaded[k] = run.eval_loader.step(k * spm, 1)
-        return lane_share(run, loaded[k], k * spm, side)
+        return lane_share(run, loaded[k], run.eval_loader.slots(k * spm), side)
     for m in run.modules.values():
         m.eval()
     with torch.no_grad():
@@ -378,13 +382,17 @@ def step_record(run, h, local, log):
     mine = counts.cpu() if moe_due and counts is not None and m.tp_rank == m.cp_rank == m.dp_rank == 0 else None
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, its FLOPs, MoE counts
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"], mine))
-    h["model_flops"] = sum(f for _, f, _ in per_rank)
+    vision = sum(f for _, f, _ in per_rank)
+    # the real work: the images encoded and the non-padding tokens (padding runs too, but is no one's progress)
+    h["model_flops"] = vision + tokens * model.lm_flops_per_token(cfg, cfg.seq_len)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), logs.peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
+    uneven = lanes.imbalance(run.lay, run.train_loader.order.step((h["step"] - 1) * cfg.global_batch)[1])
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
            "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
            "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-           "step_time_s": dt, "elapsed_s": elapsed,
+           "fill": tokens / (cfg.global_batch * cfg.seq_len), "tower_share": vision / h["model_flops"],
+           "lane_imbalance_vision": uneven[0], "lane_imbalance_lm": uneven[1], "step_time_s": dt, "elapsed_s": elapsed,
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,
            "peak_mem_gib_per_rank": [g for g, _, _ in per_rank], **{k: h[k] for k in ("mtp_loss",) if k in h}}

@@ -56,9 +56,11 @@ def expected_scalars(metrics_file):
             scalars = {"train/loss": r["loss"], "train/lr": r["lr"], "train/grad_norm": r["grad_norm"],
                        "train/skipped_steps": r["skipped"], "train/step_time_s": r["step_time_s"],
                        "train/tokens_per_s": r["tokens_per_s"], "train/tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
-                       "train/peak_mem_gib": max(r["peak_mem_gib_per_rank"])}
-            if r["mfu"] is not None:                                                   # CUDA only
-                scalars["train/mfu"] = r["mfu"]
+                       "train/peak_mem_gib": max(r["peak_mem_gib_per_rank"]), "train/fill": r["fill"],
+                       "train/tower_share": r["tower_share"]}
+            for k in ("mfu", "lane_imbalance_vision", "lane_imbalance_lm"):              # MFU: CUDA only
+                if r[k] is not None:
+                    scalars[f"train/{k}"] = r[k]
             for k in ("routing_entropy_mean", "max_expert_load_frac") if "moe" in r else ():
                 scalars[f"moe/{k}"] = r["moe"][k]
         for name, value in scalars.items():

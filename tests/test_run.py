@@ -272,10 +272,12 @@ def test_log_lines(tmp_path):
     counts = logs.param_counts(config.resolve("tiny"))                                         # stage 2
     assert "parameters (trainable / frozen): " + ", ".join(f"{k} {t:,} / {f:,}" for k, (t, f) in counts.items()) in lines
     steps = [line for line in lines if line.startswith("step ")]
-    pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| tok/s \d+ \| "
-               r"MFU N/A \| peak mem [0-9.]+ GiB \| \d+ ms \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d")
+    work = r"tok/s/GPU \d+ \| MFU N/A \| fill 33% \| tower 0% \| lanes 1.00/1.00"   # one lane, in place
+    pattern = (r"step (\d)/3 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| grad norm [0-9.]+ \| skipped 0 \| " + work +
+               r" \| peak mem [0-9.]+ GiB \| \d+ ms \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d")
     assert [re.fullmatch(pattern, line).group(1) for line in steps] == ["1", "2", "3"], steps
     assert any(re.fullmatch(r"eval step 2: loss [0-9.]+ \| ppl [0-9.]+ \| 62 tokens of 2 samples", x) for x in lines)
+    assert re.fullmatch("mean of 2 logged steps after the first: " + work, lines[-5]), lines[-5]
     assert lines[-4].startswith("done: 3 steps (to step 3) in 0:00:") and "last eval loss" in lines[-4]
     assert lines[-3:] == [f"checkpoint: {save}", f"resume (add --steps N to train on): python train.py --load {save}",
                           f"export: python hf_interop.py export-hf --load {save} --out HF_DIR"]
@@ -284,6 +286,8 @@ def test_log_lines(tmp_path):
     assert [r["tokens"] for r in step_recs] == [64, 64, 64]                                 # not 2 x 96
     assert all(r["tokens_per_s"] == pytest.approx(64 / r["step_time_s"]) and r["steps"] == 3 for r in step_recs)
     assert {"elapsed_s", "eta_s", "peak_mem_gib_per_rank", "mfu", "lr", "grad_norm"} <= set(step_recs[0])
+    assert all(r["fill"] == 64 / 192 and r["tower_share"] == 0 and r["lane_imbalance_vision"] == 1.0 and
+               r["lane_imbalance_lm"] == 1.0 for r in step_recs)
     assert [r["eval_tokens"] for r in recs if "eval_loss" in r] == [62]                     # 2 x 31 targets
 
 

@@ -217,9 +217,9 @@ def test_an_uneven_split_matches_one_process():
 
 @pytest.mark.slow
 def test_text_only_mixing_matches_one_process():
-    """Seed 15, half text-only: samples 0-3 are [text, text, image, text]. Global micro-batch 0 is text only (both
-    vision lanes send 0 rows); in micro-batch 1 vision lane 0 sends one image, lane 1 (rank 1) 0 rows again, so
-    vision rank 1 encodes nothing in the whole step and still takes part in the reduction."""
+    """Seed 15, half text-only: samples 0-3 are [text, text, image, text], placed [2, 0 | 1, 3] (lanes.py). In
+    global micro-batch 0 vision lane 0 sends one image, lane 1 (rank 1) 0 rows; micro-batch 1 is text only (both
+    lanes send 0 rows), so vision rank 1 encodes nothing in the whole step and still takes part in the reduction."""
     argv = ONE_STEP + ["--mock-text-only-frac", "0.5", "--seed", "15"]
     cfg = config.resolve("tiny", {"mock_text_only_frac": "0.5"})
     assert [len(mock.MockData(cfg, 15)[i].images) for i in range(GB)] == [0, 0, 1, 0]

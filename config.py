@@ -436,7 +436,7 @@ def nearest_divisors(sizes, k, most):
 def check(cfg):
     """Every field's constraints, at once: its choices (argparse checks a flag's; a record's are checked here), the
     run's numbers (RANGES, POSITIVE, min_lr <= lr, fractions below 1, the --train-layers and --lora-targets regexes)
-    and the model's shape: every size of its layers (LAYER_SIZES), what must divide what (MULTIPLES), top-k within
+    and the model's shape: every size of its kinds' layers and what must divide what (LAYER_KINDS), top-k within
     the experts, the patch budget (layout constraints live in layout.py). One SystemExit line names every offender."""
     layers = cfg.hybrid_override_pattern + (cfg.mtp_pattern if cfg.num_nextn_predict_layers else "")
     ranges = RANGES + [(f["sizes"], 1, ">= 1") for kind, f in LAYER_KINDS.items() if kind in layers]

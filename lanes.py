@@ -17,6 +17,7 @@ import numpy as np
 import data
 import model
 import parallel
+import radio
 
 
 def costs(cfg, ds, indices, tower_trains, rates):
@@ -25,7 +26,7 @@ def costs(cfg, ds, indices, tower_trains, rates):
     per_token, out = model.lm_flops_per_token(cfg, cfg.seq_len), []
     for i in indices:
         tokens, patches = data.sizes(ds, i)
-        vision = model.vision_flops(cfg, [(1, p) for p in patches], tower_trains) if patches else 0
+        vision = radio.flops(cfg, [(1, p) for p in patches], tower_trains) if patches else 0
         out.append((tokens * per_token / rates[0], vision / rates[1]))
     return out
 

@@ -285,7 +285,7 @@ def test_signal_save_time_20l(tmp_path):
             saved_s = time.perf_counter() - t0
     rc, exit_s = proc.wait(), time.perf_counter() - t0
     assert rc == 128 + signal.SIGTERM and saved_s is not None, "".join(lines[-30:])
-    assert "interrupted by SIGTERM: saved step 2 to" in "".join(lines[-5:]), "".join(lines[-30:])
+    assert "interrupted by SIGTERM: saved step 2 to" in "".join(lines[-8:]), "".join(lines[-30:])
     step_dir = os.path.join(save, "step_00000002")
     size = sum(os.path.getsize(os.path.join(step_dir, f)) for f in os.listdir(step_dir))
     step_ms = float(next(x for x in lines if x.startswith("step 2/")).split(" ms |")[0].rsplit("| ", 1)[1])

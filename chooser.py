@@ -107,7 +107,8 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None, stats=None):
         ranked = rank(cfg, fitting, cuda, stats)
         (lay, seconds), runner_up = ranked[0], ranked[1:2]
         why = (f"the fastest predicted of the {len(fitting)} layouts that fit ({memory.figure(seconds['step'])} s a "
-               f"step for {cost.basis(cfg, stats)}" + "".join(f"; the next, {c.brief()}: {memory.figure(s['step'])} s" for c, s in runner_up) + ")")
+               f"step for {cost.basis(cfg, stats)}" + "".join(f"; the next, {c.brief()}: {memory.figure(s['step'])} s"
+                                                              for c, s in runner_up) + ")")
         if not strict:
             for line in table(ranked, plans):
                 say(line)

@@ -301,10 +301,10 @@ def dry_run(cfg, lay, capacity, predicted, load=None, basis=None):
         print(f"  {kind:{width}s} " + "  ".join(f"{k} {figure(v / GIB)}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
     stages = f" (the slowest of {lay.lm_pp} stages)" if lay.lm_pp > 1 else ""
-    print(f"predicted on Hopper GPUs (cost.py{', for ' + basis if basis else ''}): {figure(predicted['step'])} s a step (a micro-batch: vision "
-          f"{figure(predicted['vision'], 3)} s, language {figure(predicted['language'], 3)} s{stages}; tail "
-          f"{figure(predicted['tail'], 3)} "
-          f"s; bubble {100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
+    print(f"predicted on Hopper GPUs (cost.py{', for ' + basis if basis else ''}): {figure(predicted['step'])} s a "
+          f"step (a micro-batch: vision {figure(predicted['vision'], 3)} s, language "
+          f"{figure(predicted['language'], 3)} s{stages}; tail {figure(predicted['tail'], 3)} s; bubble "
+          f"{100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
     print(f"against {figure(capacity / GIB, 1)} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of "
           f"it, the set-up peak {100 * SETUP_SHARE:.0f} %):")
     for kind, r in rows.items():

@@ -15,14 +15,15 @@ MAX_WORLD = 1024    # the largest world size remedy() tries
 MAX_PP = 8          # the most pipeline stages the chooser weighs: each more adds a micro-batch to fill and drain
 
 
-def plan(cfg, world, capacity, cuda=True, say=lambda line: None, strict=True, load=None):
+def plan(cfg, world, capacity, cuda=True, say=lambda line: None, strict=True, load=None, stats=None):
     """The run's layout on `world` ranks of `capacity` bytes, before any collective: chosen (choose), or the one
     the flags name with its stages' layers moved where a stage would not fit (fit_split), run as named even where
     its plan exceeds `capacity` (the plan is an estimate; the run's peak is the fact). cuda: plan CUDA's bytes, else
-    the CPU's. load: the data's tower load (data.tower_load; None: the mock's)."""
+    the CPU's. load: the data's tower load (data.tower_load; None: the mock's); stats: what the predicted step
+    reads of the data (cost.data_stats; None: the mock's samples)."""
     flags = given(cfg)
     if not flags:
-        return choose(cfg, world, capacity, cuda, say, strict, load)
+        return choose(cfg, world, capacity, cuda, say, strict, load, stats)
     lay = fit_split(cfg, named(cfg, world, flags), capacity, cuda, load)
     shortfall = strict and memory.fits(memory.plan(cfg, lay, cuda, load), capacity)
     if shortfall:
@@ -93,7 +94,7 @@ def candidates(cfg, world, apart=True):
     return [lay for lay in [reference(cfg, world)] + in_place + own + hetero if lay and valid(lay, cfg)]
 
 
-def choose(cfg, world, capacity, cuda, say, strict, load=None):
+def choose(cfg, world, capacity, cuda, say, strict, load=None, stats=None):
     """The layout the module docstring chooses; `say` gets which and why (not strict, the dry run: the table first).
     None fits: SystemExit naming what would (not strict: `say` that, and return the closest)."""
     plans = {lay: memory.plan(cfg, lay, cuda, load) for lay in map(lambda c: fit_split(cfg, c, capacity, cuda, load),
@@ -103,10 +104,11 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None):
     fitting = [lay for lay, rows in plans.items() if memory.fits(rows, capacity) is None]
     fitting = [lay for lay in fitting if lay.lm_cp == 1] or fitting   # cp only where it is what fits
     if fitting:
-        ranked = rank(cfg, fitting, cuda)
+        ranked = rank(cfg, fitting, cuda, stats)
         (lay, seconds), runner_up = ranked[0], ranked[1:2]
         why = (f"the fastest predicted of the {len(fitting)} layouts that fit ({memory.figure(seconds['step'])} s a "
-               "step" + "".join(f"; the next, {c.brief()}: {memory.figure(s['step'])} s" for c, s in runner_up) + ")")
+               f"step for {cost.basis(cfg, stats)}" + "".join(f"; the next, {c.brief()}: {memory.figure(s['step'])} s"
+                                                              for c, s in runner_up) + ")")
         if not strict:
             for line in table(ranked, plans):
                 say(line)
@@ -128,11 +130,11 @@ def choose(cfg, world, capacity, cuda, say, strict, load=None):
     return lay
 
 
-def rank(cfg, layouts, cuda=True):
+def rank(cfg, layouts, cuda=True, stats=None):
     """[(layout, cost.step_seconds)] fastest first; a tie goes to in place, then own lanes, then fewer pipeline
     stages, then the smaller sizes."""
     kinds = ("in place", "own lanes", "hetero")
-    seconds = {lay: cost.step_seconds(cfg, lay, cuda) for lay in layouts}
+    seconds = {lay: cost.step_seconds(cfg, lay, cuda, stats) for lay in layouts}
     return sorted(seconds.items(), key=lambda it: (round(it[1]["step"], 6), kinds.index(it[0].kind), it[0].lm_pp,
                                                    it[0].lm_tp, it[0].lm_cp, it[0].lm_ep, it[0].lm_etp,
                                                    it[0].vision_tp, it[0].vision_size, it[0].micro_batch))

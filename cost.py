@@ -16,7 +16,16 @@ sum of the others + tail, at p = 1 n max(V, L) + min(V, L) + tail. Colocated, a 
 the other: step = (n + p - 1) max_s(V + L_s) + tail (an approximation beyond p = 1: each of the n + p - 1 rounds
 paced by the slowest rank's pair). n: micro-batches per step; V, L_s: a vision micro-batch, a language one of
 stage s; tail: the slowest rank's.
+With --data (DataStats) a vision micro-batch is the data's mean sample's, and each micro-batch's tower takes its
+slowest vision lane's share of that, the samples where lanes.assign places them; the mock's: its one image. A
+language row costs seq_len positions either way, however full: packed or padded, every layer runs every position
+(padding is routed through the experts too, moe.py), and its launches do not depend on its images.
 """
+import dataclasses
+import math
+
+import data
+import lanes
 import model
 import memory
 import radio
@@ -30,6 +39,11 @@ LM_EFFICIENCY = 0.445
 VISION_EFFICIENCY = 0.40    # the tower's and projector's FLOPs (attention over 16k-token images: flash kernels)
 LATENCY_S = 190e-6          # per collective: launch, and waiting for the group's slowest rank
 HOST_PATCH_S = 0.05 / 128 ** 2   # per sample a module handles, time outside its kernels: 0.05 s a 2048² image
+# Refit to real-shaped data (several images a sample; docs/layouts.md §1), which the mock's one image a sample cannot
+# tell from patches: of that 0.05 s, 0.04 s is per image (each image's own attention calls in every block), the rest
+# by its patches. Only the data's predictions read it: the mock's are as fitted.
+HOST_IMAGE_S = 0.04
+DATA_SAMPLES = 256          # DataStats reads the first steps that hold at least this many samples
 # Taken, not fitted (the 4-GPU step times cannot tell bandwidth from the latency above): NCCL's bus bandwidth
 # on NVLink 4 inside a node; between nodes one 400 Gb/s NIC per GPU (DGX H100); an H100's HBM3 for the optimizer.
 NVLINK_BYTES_S = 300e9
@@ -60,6 +74,69 @@ def host_seconds(cfg):
     return sum(h * w * t for h, w, t in memory.vision_items(cfg)) * HOST_PATCH_S
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataStats:
+    """What the cost model reads of --data in place of the mock's image (data_stats): over the first `samples`
+    samples, the means a sample of images, patches, non-padding tokens, tower and projector FLOPs, tower tokens,
+    image rows and the tower's seconds outside its kernels (HOST_IMAGE_S); each sample's tower seconds at tp 1
+    (`seconds`) and lanes.costs' work, by which a run places it; per lane shape, its slowest lanes (slowest())."""
+    what: str
+    samples: int
+    images: float
+    patches: float
+    tokens: float
+    flops: float
+    tower: float
+    rows: float
+    host: float
+    seconds: tuple
+    work: list
+    slow: dict = dataclasses.field(default_factory=dict)
+
+
+def data_stats(cfg, ds):
+    """DataStats of training data `ds` from its index (data.sizes: no pixels), or None for the mock. Its first
+    steps of at least DATA_SAMPLES samples: the run's own first steps, a fixed sample whatever the data's size."""
+    if not isinstance(ds, data.RealData):
+        return None
+    trains, n = memory.tower_trains(cfg), -(-DATA_SAMPLES // cfg.global_batch) * cfg.global_batch
+    sizes = [data.sizes(ds, i) for i in range(n)]
+    flops = [radio.flops(cfg, [(1, p) for p in patches], trains) if patches else 0 for _, patches in sizes]
+    patches = [sum(p) for _, p in sizes]
+    host = [len(p) * HOST_IMAGE_S + q * (HOST_PATCH_S - HOST_IMAGE_S / 128 ** 2) for (_, p), q in zip(sizes, patches)]
+
+    def mean(xs):
+        return math.fsum(xs) / n
+    return DataStats(f"--data {cfg.data}", n, mean(len(p) for _, p in sizes), mean(patches), mean(t for t, _ in sizes),
+                     mean(flops), mean(sum(q + cfg.class_token_len for q in p) for _, p in sizes),
+                     mean(sum(q // 4 for q in p) for _, p in sizes), mean(host),
+                     tuple(f / (PEAK_FLOPS * VISION_EFFICIENCY) + h for f, h in zip(flops, host)),
+                     lanes.costs(cfg, ds, range(n), trains, (LM_EFFICIENCY, VISION_EFFICIENCY)))
+
+
+def basis(cfg, stats=None):
+    """What a prediction's tower reads, in words (the dry run's and the layout line's)."""
+    if stats is None:
+        return memory.mock_load(cfg)[2]
+    return (f"{stats.what}: {stats.samples} samples read, a sample {stats.images:.2f} images, {stats.patches:.0f} "
+            f"patches, {stats.tokens:.0f} tokens (means)")
+
+
+def slowest(stats, lay):
+    """Per micro-batch of the sampled steps, its slowest vision lane's tower seconds over the mean lane's (over all
+    of them), the samples where lanes.assign places them (vision lane e holds positions [e vmb, (e+1) vmb) of a
+    micro-batch). Kept per lane shape: the chooser weighs many layouts of few shapes."""
+    vmb, spm, gb = lay.vision_micro_batch, lay.samples_per_microbatch, lay.global_batch
+    key = (lay.in_place, lay.vision_dp, lay.lm_dp, lay.micro_batch)
+    if key not in stats.slow:
+        mean, out = vmb * math.fsum(stats.seconds) / stats.samples, []
+        for base in range(0, stats.samples, gb) if mean else ():
+            at = [stats.seconds[base + o] for o in lanes.assign(lay, stats.work[base:base + gb])]
+            out += [max(math.fsum(at[e:e + vmb]) for e in range(k, k + spm, vmb)) / mean for k in range(0, gb, spm)]
+        stats.slow[key] = out or [0.0]   # no images: the tower never runs
+    return stats.slow[key]
+
+
 def language_micro(cfg, lay, stage=0):
     """Seconds of one language micro-batch on one rank of pipeline stage `stage`: compute and the tp, ep and cp
     collectives of its layers (the embedding's on the first stage, the head's on the last), and its transfers to
@@ -88,16 +165,21 @@ def language_micro(cfg, lay, stage=0):
     return compute + tp_time + ep_time + cp_time + pipe_time
 
 
-def vision_micro(cfg, lay):
-    """Seconds of one vision micro-batch on one rank (forward, and backward where the tower trains): compute, tp
-    all-reduces, and the bridge's rows and their gradient where they travel (not in place)."""
-    trains, items = memory.tower_trains(cfg), memory.vision_items(cfg) * lay.vision_micro_batch
-    flops = radio.flops(cfg, [(h, w) for h, w, _ in items], trains, [t for _, _, t in items])
+def vision_micro(cfg, lay, stats=None):
+    """Seconds of one vision micro-batch on one rank (forward, and backward where the tower trains) of the mock's
+    samples, or of the data's mean sample (stats: DataStats): compute, tp all-reduces, the bridge's rows and their
+    gradient where they travel (not in place), and the time outside the kernels (the mock's by its patches)."""
+    trains, vmb = memory.tower_trains(cfg), lay.vision_micro_batch
+    if stats is None:
+        items = memory.vision_items(cfg) * vmb
+        flops = radio.flops(cfg, [(h, w) for h, w, _ in items], trains, [t for _, _, t in items])
+        (S, rows), host = memory.vision_tokens(cfg, lay), vmb * host_seconds(cfg)
+    else:
+        flops, S, rows, host = (vmb * x for x in (stats.flops, stats.tower, stats.rows, stats.host))
     compute = flops / lay.vision_tp / (PEAK_FLOPS * VISION_EFFICIENCY)
-    S, rows = memory.vision_tokens(cfg, lay)
     tp_time = send(*radio.facts(cfg, S, rows, lay.vision_tp, trains)["sends"]["tp"], lay.vision_tp)
     bridge = 0.0 if lay.in_place else send(2 * 2 * rows * cfg.hidden_size / lay.vision_tp, 2, lay.world)
-    return compute + tp_time + bridge + lay.vision_micro_batch * host_seconds(cfg)
+    return compute + tp_time + bridge + host
 
 
 def tail(cfg, lay, kind, cuda=True, stage=0):
@@ -113,21 +195,23 @@ def tail(cfg, lay, kind, cuda=True, stage=0):
     return send(nbytes, 2, size) + optimized * OPTIMIZER_BYTES / MEMORY_BYTES_S
 
 
-def step_seconds(cfg, lay, cuda=True):
+def step_seconds(cfg, lay, cuda=True, stats=None):
     """{"step", "vision", "language", "tail", "bubble"}: the predicted seconds of a step, of one vision and one
     language micro-batch on a rank (the slowest pipeline stage's), of the tail (the slowest rank's), and the share
-    of the step less the tail that the slowest rank waits (the module docstring)."""
+    of the step less the tail that the slowest rank waits (the module docstring). stats: the data's (DataStats;
+    None: the mock's samples), each micro-batch's tower its slowest lane's (slowest())."""
     n, p = lay.num_microbatches, lay.lm_pp
-    V, L = vision_micro(cfg, lay), [language_micro(cfg, lay, s) for s in range(p)]
+    V, L = vision_micro(cfg, lay, stats), [language_micro(cfg, lay, s) for s in range(p)]
+    shares = [1.0] if stats is None else slowest(stats, lay)
     ends = [tail(cfg, lay, "language", cuda, s) for s in range(p)]
     if lay.colocated:   # every rank both: the tower and its stage
         end = tail(cfg, lay, "vision", cuda) + max(ends)
-        pace, fill = max(V + lm for lm in L), (p - 1) * max(V + lm for lm in L)
+        pace, fill = math.fsum(max(V * a + lm for lm in L) for a in shares) / len(shares), (p - 1) * max(
+            V + lm for lm in L)
     else:
         end = max(tail(cfg, lay, "vision", cuda), *ends)
-        others = sorted([V, *L])
-        pace = others.pop()
-        fill = sum(others)   # the pipe's fill and drain: each other part once
+        pace = math.fsum(max(V * a, *L) for a in shares) / len(shares)
+        fill = sum(sorted([V, *L])[:-1])   # the pipe's fill and drain: each other part once
     step = n * pace + fill + end
     return {"step": step, "vision": V, "language": max(L), "tail": end,
             "bubble": fill / (n * pace + fill) if fill else 0.0}

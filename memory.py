@@ -279,10 +279,10 @@ def fits(rows, capacity):
     return None
 
 
-def dry_run(cfg, lay, capacity, predicted, load=None):
+def dry_run(cfg, lay, capacity, predicted, load=None, basis=None):
     """Print the config, the layout, the plan per rank kind (GiB) and whether each kind fits `capacity` bytes per
     rank, then one JSON line (the last line); `predicted`: the layout's cost.step_seconds; load: the data's tower
-    load (plan())."""
+    load (plan()); basis: what the prediction read, in words (cost.basis)."""
     (total_lm, active_lm), (total_mtp, _) = model.count_language_params(cfg), model.count_language_params(cfg, True)
     with torch.device("meta"):
         n_vision = sum(p.numel() for p in VisionModel(cfg).parameters())
@@ -301,10 +301,10 @@ def dry_run(cfg, lay, capacity, predicted, load=None):
         print(f"  {kind:{width}s} " + "  ".join(f"{k} {figure(v / GIB)}" for k, v in r.items()))
     fit = {kind: fits({kind: r}, capacity) is None for kind, r in rows.items()}
     stages = f" (the slowest of {lay.lm_pp} stages)" if lay.lm_pp > 1 else ""
-    print(f"predicted on Hopper GPUs (cost.py): {figure(predicted['step'])} s a step (a micro-batch: vision "
-          f"{figure(predicted['vision'], 3)} s, language {figure(predicted['language'], 3)} s{stages}; tail "
-          f"{figure(predicted['tail'], 3)} "
-          f"s; bubble {100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
+    print(f"predicted on Hopper GPUs (cost.py{', for ' + basis if basis else ''}): {figure(predicted['step'])} s a "
+          f"step (a micro-batch: vision {figure(predicted['vision'], 3)} s, language "
+          f"{figure(predicted['language'], 3)} s{stages}; tail {figure(predicted['tail'], 3)} s; bubble "
+          f"{100 * predicted['bubble']:.0f} %: the slowest rank idle, filling and draining the pipe)")
     print(f"against {figure(capacity / GIB, 1)} GiB per rank (the training peak may use {100 * TRAIN_SHARE:.0f} % of "
           f"it, the set-up peak {100 * SETUP_SHARE:.0f} %):")
     for kind, r in rows.items():
@@ -317,4 +317,4 @@ def dry_run(cfg, lay, capacity, predicted, load=None):
                       "gib_per_rank": {k: {key: round(v / GIB, 2) for key, v in r.items()} for k, r in rows.items()},
                       "peak_gib_per_rank": {k: round(r["peak"] / GIB, 2) for k, r in rows.items()},
                       "capacity_gib": round(capacity / GIB, 2), "fits": fit, "tower_load": load_source(cfg, load),
-                      "predicted_s": {k: round(v, 4) for k, v in predicted.items()}}))
+                      "predicted_s": {k: round(v, 4) for k, v in predicted.items()}, "predicted_for": basis}))

@@ -109,9 +109,11 @@ def main(argv=None):
             torch.device("cpu")
         if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built
             capacity = inv.gpu_memory * memory.GIB
-            load = data.tower_load(datasets(cfg, data.load_tokenizer(start.tokenizer, cfg), True)[0], cfg)
-            lay = chooser.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load)
-            return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay), load)
+            train_data = datasets(cfg, data.load_tokenizer(start.tokenizer, cfg), True)[0]
+            load, stats = data.tower_load(train_data, cfg), cost.data_stats(cfg, train_data)
+            lay = chooser.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load, stats=stats)
+            return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay, stats=stats), load,
+                                  cost.basis(cfg, stats))
         if any(getattr(cfg, k) is not None for k in config.LAYOUT_FIELDS):
             layout.plan(cfg, world)   # grid flags that name no valid layout: refused before the ranks meet
         run = None
@@ -153,8 +155,9 @@ def setup(cfg, inv, start, device, say):
         comm.on_every_rank(resume.agree, start)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
-        capacity, load = memory.capacity(device), data.tower_load(train_data, cfg)
-        lay = chooser.plan(cfg, world, capacity, cuda=device.type == "cuda", say=say, load=load)
+        capacity, load, stats = memory.capacity(device), data.tower_load(train_data, cfg), cost.data_stats(cfg,
+                                                                                                 train_data)
+        lay = chooser.plan(cfg, world, capacity, cuda=device.type == "cuda", say=say, load=load, stats=stats)
     except SystemExit:
         if own_group:
             dist.destroy_process_group()

@@ -334,6 +334,7 @@ def test_the_dry_run_plans_the_data_s_largest_sample(tmp_path):
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert "densest seq_len of packed documents" in last["tower_load"] and path in last["tower_load"]
     assert "the tower: " in out.stdout and "the tower at " in out.stdout
+    assert last["predicted_for"].startswith(f"--data {path}: 256 samples read, a sample ")   # cost.basis
 
 
 def test_tiny_figures_are_not_printed_as_zero(capsys):

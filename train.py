@@ -155,8 +155,8 @@ def setup(cfg, inv, start, device, say):
         comm.on_every_rank(resume.agree, start)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
-        capacity, load, stats = memory.capacity(device), data.tower_load(train_data, cfg), cost.data_stats(cfg,
-                                                                                                 train_data)
+        capacity, load = memory.capacity(device), data.tower_load(train_data, cfg)
+        stats = cost.data_stats(cfg, train_data)   # the step predicted from the data (docs/layouts.md §1)
         lay = chooser.plan(cfg, world, capacity, cuda=device.type == "cuda", say=say, load=load, stats=stats)
     except SystemExit:
         if own_group:

@@ -525,7 +525,7 @@ def main(argv=None):
     _check_out(args.cmd, args.out, getattr(args, "overwrite", False))
     try:
         if args.cmd == "export-hf":
-            step_dir = checkpoint.resolve(args.load, print)
+            step_dir = checkpoint.pin(args.load, print)   # held from the choice: a live run's prune passes it by
             step = _staged(args.out, lambda stage: export(
                 step_dir, stage, args.max_shard_bytes, getattr(torch, args.dtype) if args.dtype else None,
                 args.language_only, args.tokenizer, args.adapters_only))

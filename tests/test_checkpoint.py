@@ -164,6 +164,28 @@ def sharded(tmp_path_factory):
     return save, run_distributed(_train, 4, SHARDED + ["--steps", "2", "--save", save])
 
 
+
+def test_export_hf_pins_the_step_it_chose(sharded, tmp_path, monkeypatch):
+    """export-hf of a save directory holds the step it resolved against --keep-last pruning from the moment it
+    chose it: a prune between the choice and the reads (a live run's save) leaves the step, and the export is
+    that step's."""
+    import locks
+    save, _ = sharded
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(save, copy)
+    export = hf_interop.export
+
+    def pruned_first(path, *args, **kwargs):   # the run's prune lands right after export-hf chose its step
+        locks.prune(copy, [os.path.basename(path)])
+        return export(path, *args, **kwargs)
+    monkeypatch.setattr(hf_interop, "export", pruned_first)
+    try:
+        hf_interop.main(["export-hf", "--load", copy, "--out", str(tmp_path / "hf")])
+    finally:
+        locks.unpin()
+    assert os.path.isdir(os.path.join(copy, "step_00000002"))
+    assert_same(hf_interop.import_hf(str(tmp_path / "hf"), preset="tiny")[1], checkpoint.load_model(save)[1])
+
 @pytest.mark.slow
 def test_reshard_tp2_ep2_to_one_process(sharded, tmp_path):
     save, ranks = sharded

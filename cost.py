@@ -13,9 +13,10 @@ pass over its state at memory bandwidth (the tail).
 Hetero, the grids run 1F1B over the bridge and the language model's pipeline stages (schedule.py): the slowest
 part sets the pace and each other one's micro-batch fills and drains the pipe: step = n max(V, L_0 .. L_p-1) + the
 sum of the others + tail, at p = 1 n max(V, L) + min(V, L) + tail. Colocated, a rank runs both modules one after
-the other: step = (n + p - 1) max_s(V + L_s) + tail (an approximation beyond p = 1: each of the n + p - 1 rounds
-paced by the slowest rank's pair). n: micro-batches per step; V, L_s: a vision micro-batch, a language one of
-stage s; tail: the slowest rank's.
+the other: step = n max_s(V + L_s) + the sum of the other stages' L_s + tail, at p = 1 n (V + L) + tail. Each rank's
+tower runs while the other stages work on their micro-batches, so only the language stages fill and drain the pipe
+(1F1B's (p - 1) L), not whole rounds of V + L (docs/layouts.md §1: measured). n: micro-batches per step; V, L_s: a
+vision micro-batch, a language one of stage s; tail: the slowest rank's.
 With --data (DataStats) a vision micro-batch is the data's mean sample's, and each micro-batch's tower takes its
 slowest vision lane's share of that, the samples where lanes.assign places them; the mock's: its one image. A
 language row costs seq_len positions either way, however full: packed or padded, every layer runs every position
@@ -206,8 +207,8 @@ def step_seconds(cfg, lay, cuda=True, stats=None):
     ends = [tail(cfg, lay, "language", cuda, s) for s in range(p)]
     if lay.colocated:   # every rank both: the tower and its stage
         end = tail(cfg, lay, "vision", cuda) + max(ends)
-        pace, fill = math.fsum(max(V * a + lm for lm in L) for a in shares) / len(shares), (p - 1) * max(
-            V + lm for lm in L)
+        pace = math.fsum(max(V * a + lm for lm in L) for a in shares) / len(shares)
+        fill = sum(sorted(L)[:-1])   # towers overlap the pipe: only the other stages' micro-batch fills it
     else:
         end = max(tail(cfg, lay, "vision", cuda), *ends)
         pace = math.fsum(max(V * a, *L) for a in shares) / len(shares)

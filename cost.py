@@ -102,7 +102,8 @@ def data_stats(cfg, ds):
         return None
     trains, n = memory.tower_trains(cfg), -(-DATA_SAMPLES // cfg.global_batch) * cfg.global_batch
     sizes = [data.sizes(ds, i) for i in range(n)]
-    flops = [radio.flops(cfg, [(1, p) for p in patches], trains) if patches else 0 for _, patches in sizes]
+    raw = lanes.costs(cfg, ds, range(n), trains, (1.0, 1.0))   # (language, vision) FLOPs a sample
+    flops = [v for _, v in raw]
     patches = [sum(p) for _, p in sizes]
     host = [len(p) * HOST_IMAGE_S + q * (HOST_PATCH_S - HOST_IMAGE_S / 128 ** 2) for (_, p), q in zip(sizes, patches)]
 
@@ -112,7 +113,7 @@ def data_stats(cfg, ds):
                      mean(flops), mean(sum(q + cfg.class_token_len for q in p) for _, p in sizes),
                      mean(sum(q // 4 for q in p) for _, p in sizes), mean(host),
                      tuple(f / (PEAK_FLOPS * VISION_EFFICIENCY) + h for f, h in zip(flops, host)),
-                     lanes.costs(cfg, ds, range(n), trains, (LM_EFFICIENCY, VISION_EFFICIENCY)))
+                     [(lm / LM_EFFICIENCY, v / VISION_EFFICIENCY) for lm, v in raw])
 
 
 def basis(cfg, stats=None):

@@ -314,6 +314,7 @@ def train_step(run, step, stop, first=False):
     expert_counts = None
     if ok:
         run.opt.step()
+        run.opt.zero_grad()
         if lm is not None:
             # LoRA changes its adapters only: the base stays as loaded, expert biases too (the PEFT export is exact)
             rate = 0.0 if cfg.lora_rank else cfg.moe_bias_update_rate
@@ -321,10 +322,9 @@ def train_step(run, step, stop, first=False):
         c["good_steps"] += 1
     else:
         c["skipped"] += 1
-        failsafe.abandon_step(run.modules, run.opt)
+        failsafe.abandon_step(run.modules, run.opt)   # its gradients zeroed, its expert counts dropped
     c["consumed_samples"] += cfg.global_batch
     c["step"] = step + 1
-    run.opt.zero_grad()
     loss = reduce_loss(run, [p.sum.detach().float() for p in parts], n_global)
     mtp = [reduce_loss(run, [p.mtp[d].detach().float() for p in parts], n)   # logged apart, per depth
            for d, n in enumerate(n_mtp)]

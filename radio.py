@@ -93,6 +93,10 @@ def packed_attention(q_SAd, k_SAd, v_SAd, seqlens, mode=None):
 
 def _linear(n_in, n_out, bias=True):
     # No constructor init: it would draw from the RNG by LOCAL shape; reset_parameters draws full shapes instead.
+    # On the meta device (init.build, the memory plan) the init does nothing to skip, and skip_init would put the
+    # weights on the CPU through torch's meta empty_like, whose first call imports sympy (1 s of every start-up)
+    if torch.get_default_device().type == "meta":
+        return nn.Linear(n_in, n_out, bias=bias)
     return nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias)
 
 

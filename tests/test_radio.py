@@ -195,6 +195,16 @@ def test_init_by_name():
     assert all(not torch.equal(a[k], c[k]) for k in a if a[k].unique().numel() > 1)
 
 
+def test_meta_tower_stays_on_meta():
+    """Built on the meta device (init.build, the memory plan) the tower allocates nothing and draws nothing: its
+    weights stay meta, the RNG where it was, and torch's meta empty_like (which imports sympy) is not reached."""
+    state = torch.random.get_rng_state()
+    with torch.device("meta"):
+        m = radio.VisionModel(tiny_cfg())
+    assert all(p.is_meta for p in m.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_zero_images_and_hf_names():
     cfg = tiny_cfg()
     m = radio.VisionModel(cfg)

@@ -13,6 +13,7 @@ process with 128 + the signal (watchdog.py); after main(), or once this rank fai
 
 User errors raise SystemExit with one line (the repo's convention, see config.py).
 """
+import dataclasses
 import os
 import re
 import signal
@@ -149,10 +150,18 @@ def peer_gone(error, rank):
 
 # ---------------------------------------------------------------- samples that fail at load time
 
+@dataclasses.dataclass
+class Blank(data.Sample):
+    """A sample --skip-bad-samples blanked: padding that the model runs as tokens (no all-masked rows) but that is
+    no one's work, so the step line counts none of it (train.lane_counts: fill, tok/s, MFU). bad: "file:line:
+    reason" on the rank it failed on. A field, so the loader's pinning (Sample.pin_memory's replace) keeps it."""
+    bad: str = None
+
+
 class SkipBad:
     """--skip-bad-samples for failures indexing could not see (a file changed or damaged since): the sample comes
-    back blank (padding, nothing to train, no image) with .bad = "file:line: reason"; skip_agreed() then blanks it
-    on every rank, because only the ranks that decode pixels may have failed."""
+    back a Blank (padding, nothing to train, no image) naming why; skip_agreed() then blanks it on every rank,
+    because only the ranks that decode pixels may have failed."""
 
     def __init__(self, ds):
         self.ds, self.skipped = ds, 0
@@ -172,15 +181,14 @@ class SkipBad:
             return self.blank(pixels, str(e))
 
     def blank(self, pixels, reason=None):
-        cfg, pad = self.ds.cfg, self.ds.enc.sp["<pad>"]   # padding that counts as tokens: no all-masked rows
-        s = data.Sample(torch.full((cfg.seq_len,), pad), torch.full((cfg.seq_len,), -100), [] if pixels else None)
-        s.bad = reason
-        return s
+        cfg, pad = self.ds.cfg, self.ds.enc.sp["<pad>"]
+        return Blank(torch.full((cfg.seq_len,), pad), torch.full((cfg.seq_len,), -100), [] if pixels else None,
+                     bad=reason)
 
     def skip_agreed(self, batch, pixels, say):
         """Blank every sample of the step that failed on any rank (a small all_gather), count and report them."""
         bad = [None] * dist.get_world_size()
-        dist.all_gather_object(bad, {i: s.bad for i, s in batch.items() if getattr(s, "bad", None)})
+        dist.all_gather_object(bad, {i: s.bad for i, s in batch.items() if isinstance(s, Blank) and s.bad})
         bad = {i: reason for b in bad for i, reason in b.items()}
         for i in sorted(bad):
             if i in batch:

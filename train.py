@@ -261,8 +261,10 @@ def global_token_count(par, local_counts):
 
 
 def lane_counts(samples, depths=0):
-    """[loss tokens, non-padding tokens, then each MTP depth's targets] of a language lane's samples."""
-    return [sum(int(s.labels.ne(-100).sum()) for s in samples), sum(len(s.input_ids) - s.n_pad for s in samples),
+    """[loss tokens, real tokens (not padding, nor a sample --skip-bad-samples blanked: failsafe.Blank), then each
+    MTP depth's targets] of a language lane's samples."""
+    return [sum(int(s.labels.ne(-100).sum()) for s in samples),
+            sum(len(s.input_ids) - s.n_pad for s in samples if not isinstance(s, failsafe.Blank)),
             *[sum(int(model.mtp_labels(s.labels, s.seq_idx, k).ne(-100).sum()) for s in samples)
               for k in range(1, 1 + depths)]]
 
@@ -386,7 +388,8 @@ def step_record(run, h, local, log):
     per_rank = [None] * world  # every rank's peak memory, so a hetero run shows both grids, its FLOPs, MoE counts
     dist.all_gather_object(per_rank, (round(logs.peak_memory_gib(run.device), 2), local["flops"], mine))
     vision = sum(f for _, f, _ in per_rank)
-    # the real work: the images encoded and the non-padding tokens (padding runs too, but is no one's progress)
+    # the real work: the images encoded and the real tokens (padding and blanked samples run too, but are no one's
+    # progress; a step of blanks only has none: its tower share is 0)
     h["model_flops"] = vision + tokens * model.lm_flops_per_token(cfg, cfg.seq_len)
     dt, elapsed, peak = h["step_time_s"], log.elapsed(), logs.peak_tflops(run.device)
     tflops = h["model_flops"] / dt / world / 1e12
@@ -394,7 +397,7 @@ def step_record(run, h, local, log):
     rec = {"step": h["step"], "steps": cfg.steps, "loss": h["loss"], "grad_norm": h["grad_norm"], "lr": h["lr"],
            "skipped": run.counters["skipped"], "consumed_samples": run.counters["consumed_samples"],
            "tokens": tokens, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-           "fill": tokens / (cfg.global_batch * cfg.seq_len), "tower_share": vision / h["model_flops"],
+           "fill": tokens / (cfg.global_batch * cfg.seq_len), "tower_share": vision / max(h["model_flops"], 1),
            "lane_imbalance_vision": uneven[0], "lane_imbalance_lm": uneven[1], "step_time_s": dt, "elapsed_s": elapsed,
            "eta_s": elapsed / (h["step"] - log.first) * (cfg.steps - h["step"]),
            "tflops_per_gpu": tflops if run.device.type == "cuda" else None, "mfu": tflops / peak if peak else None,

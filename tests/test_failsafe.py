@@ -367,11 +367,27 @@ def test_image_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
     bad = [i for i in range(8) if ds.doc(0, i) == 1]   # samples of the 2 steps that draw b.jpg's line
     results = run_distributed(_train, 2, HETERO2 + ["--steps", "2", "--data", path, "--skip-bad-samples"])
     assert all(h["ok"] for h in results[1][0]) and len(results[0][0]) == 2
+    # the step line's real tokens (fill, tok/s, MFU) are the other samples' only: a blank's padding is no one's work
+    for s, h in enumerate(results[1][0]):
+        assert h["tokens"] == sum(data.sizes(ds, i)[0] for i in range(4 * s, 4 * s + 4) if i not in bad)
     out = capfd.readouterr().out
     for n, i in enumerate(bad, 1):
         assert f"skipped sample {i} ({path}:2: undecodable image {tmp_path}/b.jpg: " in out
         assert f"{n} skipped at load time so far" in out
     assert out.count("skipped at load time so far") == len(bad) >= 1
+
+
+def test_a_blanked_sample_counts_no_real_tokens_and_survives_pinning(tmp_path):
+    """A Blank runs as padding tokens (none masked off: the model sees what it saw) and counts as no real token;
+    the loader's pinning (CUDA) keeps it a Blank with its reason, which skip_agreed reads."""
+    lines = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]}]
+    ds, _ = _build(_jsonl(tmp_path / "t.jsonl", lines), config.resolve("tiny"))
+    real, blank = ds[0], failsafe.SkipBad(ds).blank(True, "t.jsonl:1: why")
+    assert blank.n_pad == 0 and (blank.labels == -100).all() and blank.images == []
+    pinned = blank.pin_memory()   # no images: nothing to pin, so this runs without CUDA
+    assert isinstance(pinned, failsafe.Blank) and pinned.bad == "t.jsonl:1: why"
+    n_real = len(real.input_ids) - real.n_pad
+    assert train.lane_counts([real, blank]) == [int(real.labels.ne(-100).sum()), n_real]
 
 
 def _jsonl(path, lines):

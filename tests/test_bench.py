@@ -1,5 +1,7 @@
 """bench.py on the CPU: its parts run on train.py's code paths and report figures that add up."""
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -39,3 +41,30 @@ def test_startup_profile_sees_the_backward(tmp_path):
     calls = {(k[0].rsplit("/", 1)[-1], k[2]): v[0] for k, v in pstats.Stats(str(stats)).stats.items()}
     assert calls["train.py", "train_step"] == 1
     assert calls["moe.py", "backward"] >= 2   # the MoE layers' autograd Functions, called from the backward pass
+
+
+def test_data_stats_predicts_the_dry_runs_step(tmp_path, capsys):
+    """bench/data_stats.py on bench/real_shaped.py's small form: fill, tower share and each layout's imbalance in
+    index order and as placed, and as its predicted step the very figure `train.py --dry-run --data` prints for that
+    layout (the chooser's: cost.step_seconds of cost.data_stats)."""
+    import train
+    data_stats, real_shaped = (_bench_module(name) for name in ("data_stats", "real_shaped"))
+    path = real_shaped.write(str(tmp_path), seed=0, small=True, processes=1)
+    flags = ["--preset", "tiny", "--seq-len", "256", "--pack", "--overlong", "truncate", "--global-batch", "8",
+             "--data", path]
+    data_stats.main(flags + ["--steps", "2", "--lanes", "2,1:1"])
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < res["fill"] <= 1 and 0 < res["tower_share"] < 1 and res["predicted_for"].startswith(f"--data {path}: ")
+    for spec, grid in (("2", ["--lm-dp", "2"]), ("1:1", ["--vision-dp", "1", "--lm-dp", "1"])):
+        got = res["layouts"][spec]
+        assert got["balanced"]["vision"] <= got["today"]["vision"] and got["balanced"]["vision"] >= 1
+        train.main(flags + grid + ["--dry-run", "--world-size", "2"])
+        dry = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert got["predicted_s"] == dry["predicted_s"] and res["predicted_for"] == dry["predicted_for"], spec
+
+
+def _bench_module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -16,6 +16,7 @@ training (sharded) and by the offline tools (full tensors: save_model). Who may 
 A load assembles each tensor from the saved slices and keeps this rank's (comm.take_shard), so any layout loads any
 other; every read is checked (file, tensor, shape, dtype, crc32), errors naming the file and the tensor.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -415,15 +416,37 @@ def saved_config(path, overrides=None):
     return config.from_values(values, overrides)
 
 
+class Files:
+    """The safetensors files one load reads: each opened on its first tensor and kept for the others it holds, all
+    closed by close() at the load's end, so no file stays open (mapped) for as long as its source object lives (an
+    HFSource is kept for the whole run). Read again after close(), a file opens again."""
+
+    def __init__(self):
+        self.opened, self.stack = {}, contextlib.ExitStack()
+
+    def get(self, path, key):
+        if path not in self.opened:
+            self.opened[path] = self.stack.enter_context(safe_open(path, framework="pt"))
+        return self.opened[path].get_tensor(key)
+
+    def close(self):
+        self.stack.close()
+        self.opened.clear()
+
+
 class Reader:
-    """Tensors of one checkpoint, full or as a slice of any layout; its step pinned until locks.unpin()."""
+    """Tensors of one checkpoint, full or as a slice of any layout; its step pinned until locks.unpin(). close():
+    the end of a load (Files)."""
 
     def __init__(self, path):
         self.dir = pin(path)
         self.meta = read_json(os.path.join(self.dir, META_NAME))
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"{self.dir}/{META_NAME}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
-        self.cfg, self.tensors, self.handles = saved_config(self.dir), self.meta["tensors"], {}
+        self.cfg, self.tensors, self.files = saved_config(self.dir), self.meta["tensors"], Files()
+
+    def close(self):
+        self.files.close()
 
     def read(self, name, suffix="", kind="model", shards=(), coords=None, sizes=None):
         """Tensor `name` + suffix (".exp_avg", ...): full, or with `shards` (a live parameter's .shards) the slice
@@ -456,9 +479,7 @@ class Reader:
         if crc is None:
             raise ValueError(f"{path}: tensor {key} is not listed in {META_NAME}")
         try:
-            if fname not in self.handles:
-                self.handles[fname] = safe_open(path, framework="pt")
-            t = self.handles[fname].get_tensor(key)
+            t = self.files.get(path, key)
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: missing (holds tensor {key})") from None
         except Exception as e:   # truncated, a broken header, the tensor absent, ...
@@ -493,8 +514,8 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
     if extra:
         raise ValueError(f"{r.dir}/{META_NAME}: unexpected tensors {extra[:5]} (not in this run's model)")
     params = opt.params() if opt is not None else []
-    trained, mains = {id(p) for p in params}, {}
-    with torch.no_grad():
+    trained, mains, states = {id(p) for p in params}, {}, None
+    with contextlib.closing(r), torch.no_grad():   # each file opened once for all its tensors, closed after
         for name, t, _, coords, sizes in entries:
             watchdog.progress()   # reading weights can take long: no hang
             x = r.read(name, shards=getattr(t, "shards", ()), coords=coords, sizes=sizes)
@@ -505,12 +526,11 @@ def load(path, par, modules, opt=None, cfg=None, data=None, *, load_optim=True, 
             t.copy_(x)
             if id(t) in trained:
                 mains[id(t)] = x
-    states = None
-    if opt is not None and load_optim and not finetune:
-        states, fresh = _optimizer_states(r, params, entries)
-        if fresh:
-            say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: "
-                "fresh AdamW")
+        if opt is not None and load_optim and not finetune:
+            states, fresh = _optimizer_states(r, params, entries)
+            if fresh:
+                say(f"{len(fresh)} trainable tensors had no optimizer state (frozen when saved), e.g. {fresh[0]}: "
+                    "fresh AdamW")
     if opt is not None:   # its fp32 main weights from the checkpoint's (not from the model's possibly bf16 copy)
         opt.load(mains, states)
     saved, rank_state = r.meta["layout"], None
@@ -541,15 +561,17 @@ def _optimizer_states(r, params, entries):
             fresh.append(name or "a new LoRA adapter")
             continue
         where = dict(kind="optim", shards=getattr(p, "shards", ()), coords=coords, sizes=sizes)
-        states[id(p)] = {"step": r.read(name, ".step", "optim"), "exp_avg": r.read(name, ".exp_avg", **where),
+        # a copy of the step: AdamW keeps that tensor on the CPU, and a tensor read maps its whole file (safetensors
+        # reads without copying), which would then stay mapped, a pruned step's disk held, for the run's life
+        states[id(p)] = {"step": r.read(name, ".step", "optim").clone(), "exp_avg": r.read(name, ".exp_avg", **where),
                          "exp_avg_sq": r.read(name, ".exp_avg_sq", **where)}
     return states, fresh
 
 
 def load_model(path):
     """-> (Config, {full name: full tensor}) from any checkpoint (any layout, or save_model's)."""
-    r = Reader(path)
-    return r.cfg, {name: r.read(name) for name in r.tensors}
+    with contextlib.closing(Reader(path)) as r:
+        return r.cfg, {name: r.read(name) for name in r.tensors}
 
 
 def check_tensors(state_dict, expected, source):

@@ -9,6 +9,7 @@ CLI:  python hf_interop.py export-hf --load CKPT --out HF_DIR [--language-only] 
       python hf_interop.py import-hf --hf HF_DIR --out CKPT [--preset P] [--image-token-id N] [--vision-hf RADIO_DIR]
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -307,11 +308,8 @@ def copy_source(src, out):
     if not os.path.exists(os.path.join(src, CARRIED_NAME)):   # an HF directory: its carried tensors
         files = _tensor_files(src)
         keys = [k for k in files if any(re.search(UNUSED[what], k) for what in CARRIED)]
-        carried = {}
-        for k in keys:
-            with safe_open(files[k][0], framework="pt") as f:
-                carried[k] = f.get_tensor(k)
-        checkpoint.write_atomic(os.path.join(out, CARRIED_NAME), carried)
+        with contextlib.closing(checkpoint.Files()) as opened:   # each file once, for all its carried tensors
+            checkpoint.write_atomic(os.path.join(out, CARRIED_NAME), {k: opened.get(files[k][0], k) for k in keys})
 
 
 def meta_shapes(module, cfg, prefix=""):
@@ -345,8 +343,9 @@ def _write_shards(tensors, out_dir, max_shard_bytes):
 
 class HFSource:
     """An HF directory (nemotron_h_omni, or nemotron_h plus an optional `radio` directory) read as a checkpoint of
-    our model (.cfg, .tensors, read(name)), one tensor in memory at a time, so train.py --load HF_DIR and import-hf
-    share it. Names, shapes and files are checked when opened; weights this model does not use are skipped."""
+    our model (.cfg, .tensors, read(name), close() at a load's end: checkpoint.Files), one tensor in memory at a
+    time, so train.py --load HF_DIR and import-hf share it. Names, shapes and files are checked when opened; weights
+    this model does not use are skipped."""
 
     def __init__(self, hf_dir, preset=None, image_token_id=None, vision_hf=None, seed=0, say=print):
         hf, self.dir = read_config(hf_dir), hf_dir
@@ -364,7 +363,7 @@ class HFSource:
                 _vision_hf_name("vision.video_embedder.weight", omni) not in tower_files:
             # our export of a tower without one: transformers' config must still name a size (docs/vision.md §11)
             self.cfg = dataclasses.replace(self.cfg, video_temporal_patch=0)
-        self.where, self.fresh, self.handles, errors, skipped = {}, {}, {}, [], {}
+        self.where, self.fresh, self.files, errors, skipped = {}, {}, checkpoint.Files(), [], {}
         lm_root = OMNI_LM if omni else ""
         shapes = meta_shapes(model.LanguageModel, self.cfg, "language.")
         vision = meta_shapes(radio.VisionModel, self.cfg, "vision.")
@@ -377,6 +376,7 @@ class HFSource:
                      if omni or not k.startswith(("vision.mlp1.", "vision.final_layernorm."))}
             errors += self._map(tower_files, tower, lambda k: _vision_hf_name(k, omni), skipped)
             shapes.update(vision)
+        self.close()   # _map read LayerScale tensors: no file stays open until the load
         for k in set(shapes) - set(self.where):   # drawn when read, as a fresh model draws them (comm.draw): the
             name = k.split(".", 1)[1]             # LLaVA-style start's projector (--stage 1 trains it), MTP blocks
             self.fresh[k] = (name, seed + radio.SEED, shapes[k], radio.rule(name, self.cfg.vit_hidden)) \
@@ -436,9 +436,10 @@ class HFSource:
         return comm.take_shard(t, [s for s in shards if s[1] != 0], coords, sizes)
 
     def _get(self, path, key):
-        if path not in self.handles:
-            self.handles[path] = safe_open(path, framework="pt")
-        return self.handles[path].get_tensor(key)
+        return self.files.get(path, key)
+
+    def close(self):
+        self.files.close()
 
 
 def _vision_hf_name(name, omni):
@@ -471,23 +472,23 @@ def _tensor_files(hf_dir):
 
 def import_hf(hf_dir, preset=None, image_token_id=None, vision_hf=None, say=print):
     """-> (Config, {full name: tensor}) of an HF directory (see HFSource)."""
-    src = HFSource(hf_dir, preset, image_token_id, vision_hf, say=say)
-    return src.cfg, {name: src.read(name) for name in src.tensors}
+    with contextlib.closing(HFSource(hf_dir, preset, image_token_id, vision_hf, say=say)) as src:
+        return src.cfg, {name: src.read(name) for name in src.tensors}
 
 
 def export(path, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dtype=None, language_only=False, tokenizer=None,
            adapters_only=False):
     """export-hf: a checkpoint -> nemotron_h_omni (or, language-only, nemotron_h), adapters merged, or alone as a
     PEFT adapter directory; config, tokenizer and HF files from the checkpoint. -> the checkpoint's step."""
-    r = checkpoint.Reader(path)
-    cfg, names = r.cfg, [n for n in r.tensors if not (language_only and n.startswith("vision."))]
-    lora_names = [n for n in names if "lora_" in n]
-    if adapters_only:   # base_model: the HF directory the run started from, if it did
-        origin = (r.meta.get("run", {}).get("lineage") or [None])[0]
-        hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, "" if language_only else OMNI_LM,
-                          base_model=origin if origin and is_hf_dir(origin) else None)
-        return r.meta["step"]
-    sd = {n: r.read(n) for n in names}
+    with contextlib.closing(checkpoint.Reader(path)) as r:
+        cfg, names = r.cfg, [n for n in r.tensors if not (language_only and n.startswith("vision."))]
+        lora_names = [n for n in names if "lora_" in n]
+        if adapters_only:   # base_model: the HF directory the run started from, if it did
+            origin = (r.meta.get("run", {}).get("lineage") or [None])[0]
+            hf_peft.save_peft({n: r.read(n) for n in lora_names}, cfg, out_dir, "" if language_only else OMNI_LM,
+                              base_model=origin if origin and is_hf_dir(origin) else None)
+            return r.meta["step"]
+        sd = {n: r.read(n) for n in names}
     if lora_names:   # adapters folded into their frozen weights: a plain HF model
         sd = lora.merge(sd, cfg.lora_alpha)
     copy = os.path.join(r.dir, checkpoint.TOKENIZER_DIR)

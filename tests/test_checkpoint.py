@@ -13,7 +13,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import checkpoint
 import comm
@@ -262,6 +263,59 @@ def test_export_hf_of_sharded_checkpoint(sharded, tmp_path):
     cfg2, back = hf_interop.import_hf(out, preset="tiny")
     assert_same(back, full)
     assert all(getattr(cfg2, k) == getattr(cfg, k) for k in config.MODEL_FIELDS)
+
+
+def _opened_per_file(rank, world, path, carried_from=None):
+    """checkpoint.load into one process of `path` (a checkpoint; an HF directory through HFSource, which the caller
+    keeps, as train.py does) -> ({file: opens during the load}, the files of `path` still mapped once the load is
+    done). carried_from: instead, copy_source of that HF directory into `path`, counting its opens."""
+    opens, real = {}, checkpoint.safe_open
+
+    def counting(file, **kw):
+        opens[file] = opens.get(file, 0) + 1
+        return real(file, **kw)
+    checkpoint.safe_open = counting
+    if carried_from is not None:
+        hf_interop.copy_source(carried_from, path)
+        return opens, None
+    source = hf_interop.HFSource(path, "tiny", say=lambda m: None) if hf_interop.is_hf_dir(path) else path
+    opens.clear()   # HFSource's own checks
+    cfg = config.resolve("tiny")
+    par = parallel.setup(layout.plan(dataclasses.replace(cfg, global_batch=4), 1), cfg)
+    modules = {"vision": radio.VisionModel(cfg), "language": model.LanguageModel(cfg)}
+    opt = optim.build(par, modules["vision"], modules["language"], cfg, torch.device("cpu"))
+    checkpoint.load(source, par, modules, opt, cfg)
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if os.path.realpath(path) in line}
+    return opens, mapped
+
+
+def test_a_load_opens_each_file_once_and_keeps_none(sharded, tmp_path):
+    """A load (weights and AdamW state) opens each safetensors file once for all the tensors it holds and closes
+    them at its end (checkpoint.Files): a checkpoint's, and an HF directory's, whose HFSource train.py keeps for the
+    whole run. copy_source reads all the carried tensors of a file at one opening."""
+    save, _ = sharded
+    hf = str(tmp_path / "hf")
+    hf_interop.main(["export-hf", "--load", save, "--out", hf, "--max-shard-bytes", "200000"])
+    shards = [f for f in os.listdir(hf) if f.endswith(".safetensors")]
+    for path, files in ((save, 2 * 2 * 4), (hf, len(shards))):   # model and optim, 2 modules, 4 shards at most
+        (opens, mapped), = run_distributed(_opened_per_file, 1, path)
+        assert 1 < len(opens) <= files and set(opens.values()) == {1} and not mapped, (path, opens, mapped)
+    with safe_open(os.path.join(hf, shards[0]), framework="pt") as f:   # a released directory's extra weights
+        first = {k: f.get_tensor(k) for k in f.keys()}
+    sound = {"sound_encoder.weight": torch.randn(3, 2), "sound_projection.weight": torch.randn(2, 2)}
+    save_file({**first, **sound}, os.path.join(hf, shards[0]))
+    index = os.path.join(hf, hf_interop.INDEX_NAME)
+    with open(index) as f:
+        meta = json.load(f)
+    meta["weight_map"].update({k: shards[0] for k in sound})
+    with open(index, "w") as f:
+        json.dump(meta, f)
+    (opens, _), = run_distributed(_opened_per_file, 1, str(tmp_path / "source"), hf)
+    assert opens[os.path.join(hf, shards[0])] == 1 and set(opens.values()) == {1}
+    carried = load_file(tmp_path / "source" / hf_interop.CARRIED_NAME)
+    assert sorted(carried) == sorted([*sound, "vision_model.radio_model.summary_idxs"])
+    assert all(torch.equal(carried[k], v) for k, v in sound.items())
 
 
 @pytest.mark.slow

@@ -168,9 +168,16 @@ def _vision_fields(vc, where):
                 video_temporal_patch=vc.get("video_temporal_patch_size") or 0), errors
 
 
-def hf_config(cfg, torch_dtype="bfloat16", token_ids=None):
+def dtype_keys(dtype):
+    """The weights' dtype under both its names: transformers 5 (and 4.56 on) reads and writes `dtype`; transformers
+    before 4.56, and serving stacks built on it (older vLLM), read only `torch_dtype`. Transformers 5 reads a file
+    with both without its deprecation warning, and keeps `dtype`."""
+    return {"dtype": dtype, "torch_dtype": dtype}
+
+
+def hf_config(cfg, dtype="bfloat16", token_ids=None):
     """Our Config -> an HF nemotron_h config.json (the language model)."""
-    hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": torch_dtype,
+    hf = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", **dtype_keys(dtype),
           "num_hidden_layers": len(cfg.hybrid_override_pattern), "max_position_embeddings": cfg.seq_len,
           "image_token_id": cfg.image_token_id,
           "mtp_layers_block_type": [t for k in cfg.mtp_pattern for t, c in HF_LAYER_TYPES.items() if c == k]}
@@ -184,7 +191,7 @@ def summary_idxs(cfg):
     return list(range(min(cfg.class_token_len, 2)))
 
 
-def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
+def omni_config(cfg, dtype="bfloat16", token_ids=None):
     """Our Config -> an HF nemotron_h_omni config.json. RADIO's class tokens and registers, one learned block to
     both, are written as up to 3 class tokens + registers (C-RADIO's split). A tower without a video embedder says
     transformers' default of 2 frames (its Omni always has one)."""
@@ -195,9 +202,9 @@ def omni_config(cfg, torch_dtype="bfloat16", token_ids=None):
               "num_registers": cfg.class_token_len - cls, "norm_mean": list(radio.CLIP_MEAN),
               "norm_std": list(radio.CLIP_STD), "video_temporal_patch_size": video_t, "summary_idxs": summary_idxs(cfg),
               **RADIO_FIXED}
-    text = {k: v for k, v in hf_config(cfg, torch_dtype, token_ids).items() if k not in ("architectures",)}
+    text = {k: v for k, v in hf_config(cfg, dtype, token_ids).items() if k not in ("architectures",)}
     return {"architectures": ["NemotronH_Omni_Reasoning_V3"], "model_type": "nemotron_h_omni",
-            "torch_dtype": torch_dtype, "text_config": text, "vision_config": dict(sorted(vision.items())),
+            **dtype_keys(dtype), "text_config": text, "vision_config": dict(sorted(vision.items())),
             "downsample_ratio": 0.5, "projector_hidden_size": cfg.projector_hidden,
             "vision_hidden_size": cfg.vit_hidden, "image_token_id": cfg.image_token_id,
             "video_temporal_patch_size": video_t}
@@ -226,7 +233,7 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
     sp = tok.special
     eos = list(dict.fromkeys([sp["</s>"]] + ([sp["<|im_end|>"]] if "<|im_end|>" in sp else [])))
     ids = dict(bos_token_id=sp.get("<s>"), eos_token_id=eos[0] if len(eos) == 1 else eos, pad_token_id=sp["<pad>"])
-    torch_dtype = checkpoint.dtype_name(tensors["backbone.embeddings.weight"])
+    saved = checkpoint.dtype_name(tensors["backbone.embeddings.weight"])
     if vision:
         checkpoint.check_tensors(vision, meta_shapes(radio.VisionModel, cfg), "export_hf(state_dict) vision.")
         tensors = {OMNI_LM + k: v for k, v in tensors.items()}
@@ -234,9 +241,9 @@ def export_hf(cfg, state_dict, out_dir, max_shard_bytes=DEFAULT_SHARD_BYTES, dty
         tensors[OMNI_VISION + "radio_model.summary_idxs"] = torch.tensor(summary_idxs(cfg))
         tensors.update({f"{OMNI_VISION}{RADIO_ROOT}blocks.{i}.layer_scale{j}.lambda1": cast(torch.ones(cfg.vit_hidden))
                         for i in range(cfg.vit_depth) for j in (1, 2)})   # HF's RADIO has LayerScale: identity
-        hf = omni_config(cfg, torch_dtype, ids)
+        hf = omni_config(cfg, saved, ids)
     else:
-        hf = hf_config(cfg, torch_dtype, ids)
+        hf = hf_config(cfg, saved, ids)
     os.makedirs(out_dir, exist_ok=True)
     generation = {k: v for k, v in ids.items() if v is not None}
     if source is not None:
@@ -283,8 +290,6 @@ def _merge_config(theirs, ours):
         if k in SOURCE_WINS and k in theirs:
             continue
         out[k] = _merge_config(theirs[k], v) if isinstance(v, dict) and isinstance(theirs.get(k), dict) else v
-    if "torch_dtype" in ours and "dtype" in theirs:
-        out["dtype"] = ours["torch_dtype"]
     split = ("num_cls_tokens", "num_registers")
     if all(k in theirs for k in split) and all(k in ours for k in split) and \
             sum(theirs[k] for k in split) == sum(ours[k] for k in split):

@@ -172,7 +172,7 @@ def test_export_import_round_trip(tmp_path, variant, max_shard_bytes):
     assert hf_cfg["model_type"] == "nemotron_h" and hf_cfg["architectures"] == ["NemotronHForCausalLM"]
     assert hf_cfg["num_hidden_layers"] == len(cfg.hybrid_override_pattern)
     assert hf_cfg["initializer_range"] == cfg.init_std and hf_cfg["layer_norm_epsilon"] == cfg.norm_eps
-    assert hf_cfg["time_step_min"] == 0.001 and hf_cfg["torch_dtype"] == "float32"
+    assert hf_cfg["time_step_min"] == 0.001 and hf_cfg["dtype"] == hf_cfg["torch_dtype"] == "float32"
     # the byte tokenizer's ids (tiny: <s> 509, </s> 508, <|im_end|> 506, <pad> 510), not HF's defaults 1 / 2 / 0
     assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (509, [508, 506], 510)
 
@@ -188,7 +188,10 @@ def test_export_dtype_keeps_expert_bias_fp32(tmp_path):
     t = load_file(tmp_path / "model.safetensors")
     assert t["backbone.embeddings.weight"].dtype == torch.bfloat16
     assert t["backbone.layers.1.mixer.gate.e_score_correction_bias"].dtype == torch.float32
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "bfloat16"   # transformers 5's name, and older readers'
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoConfig.from_pretrained(tmp_path).dtype == torch.bfloat16
 
 
 def test_import_strictness(tmp_path):

@@ -1,7 +1,7 @@
 """moe.relu2_down: the down projection over relu(h)^2 saves h and recomputes relu(h)^2 in backward. On CPU in fp32:
 what autograd keeps (the squared ReLU gone), and outputs and gradients equal to up GEMM, relu(x)**2, down GEMM run
 by autograd, for the routed experts (an expert without rows too), a whole MoE layer (the router's gradient), the
-dense MLP, LoRA adapters on both projections, and the DeepEP path's local experts."""
+dense MLP, the vision projector, LoRA adapters on both projections, and the DeepEP path's local experts."""
 import torch
 import torch.nn.functional as F
 
@@ -10,6 +10,7 @@ import fused
 import lora
 import model
 import moe
+import radio
 
 
 def tiny_layer(kind, seed=0, **overrides):
@@ -155,3 +156,23 @@ def test_pointwise_and_weight_gradient_helpers():
         torch.tensor([4, 0, 5])
     (want,) = torch.autograd.grad(moe.grouped_mm(x, w, counts), w, gy)
     torch.testing.assert_close(moe.grouped_mm_weight_grad(gy, x, counts), want, rtol=0, atol=1e-6)
+
+
+def test_vision_projector(monkeypatch):
+    """The projector (Linear, relu^2, Linear: radio.VisionModel.mlp1) runs through relu2_linear: the same output and
+    gradients, its [Q, projector_hidden] squared ReLU not kept (4 image rows here: 16 patches after the 2 x 2 pixel shuffle)."""
+    cfg = config.resolve("tiny")
+    torch.manual_seed(0)
+    vision = radio.VisionModel(cfg)
+    grids = [(4, 4)]
+    patches = [torch.randn(16, 3 * cfg.vit_patch ** 2)]
+    params = [p for _, p in sorted(vision.named_parameters())]
+    out = vision(patches, grids)
+    g = torch.randn_like(out)
+    got, after = grads(out, params, g), saved_bytes(lambda: vision(patches, grids), vision)
+    monkeypatch.setattr(moe, "relu2_down", plain_relu2_down)
+    ref = vision(patches, grids)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got, grads(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert saved_bytes(lambda: vision(patches, grids), vision) - after == 4 * 4 * cfg.projector_hidden

@@ -1,6 +1,7 @@
 """LoRA (docs/memory.md §3): W x + (alpha / r) * B (A x) with W frozen; the adapters shard like their frozen weight,
 so any tp / ep layout computes the one-device function. Routed experts get one adapter pair per expert, applied
-inside the grouped GEMM (moe.expert_ffn). Every other parameter is frozen, the routers' expert biases too, so the
+inside the grouped GEMM (moe.expert_ffn); a down projection after a squared ReLU has its A applied inside
+moe.relu2_down, which recomputes the squared ReLU A reads. Every other parameter is frozen, the routers' expert biases too, so the
 adapters alone (hf_peft.py) reproduce the run on the released weights.
 """
 import math
@@ -75,7 +76,8 @@ def _attach_linear(lin, r, scale):
 
 def add_adapter(lin, inputs, out):
     """out + scale * B (A x): an adapted Linear's forward hook; a caller that applies the weight itself (a
-    row-parallel layer whose bias comes after the tp sum) calls it directly, before its reduce."""
+    row-parallel layer whose bias comes after the tp sum) calls it directly, before its reduce (moe.relu2_linear
+    applies the same sum itself)."""
     if not hasattr(lin, "lora_A"):
         return out
     return out + F.linear(F.linear(inputs[0], lin.lora_A), lin.lora_B) * lin.lora_scale

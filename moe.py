@@ -111,14 +111,74 @@ class MLP(nn.Module):
 
     def forward(self, x, seq_idx=None, valid_BL=None):
         x = comm.copy_to(x, self.tp_group)
-        return comm.reduce_from(self.down_proj(fused.squared_relu(self.up_proj(x))), self.tp_group)
+        return comm.reduce_from(relu2_linear(self.up_proj(x), self.down_proj), self.tp_group)
 
 
 def mlp_facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
-    """What the plan and the cost model count of one dense MLP layer (model.kind_facts): its saved inputs."""
+    """What the plan and the cost model count of one dense MLP layer (model.kind_facts): its saved inputs, x and
+    the up projection's output (relu2_down recomputes the squared ReLU)."""
     D = cfg.hidden_size
-    return {"flops": 0, "idle": 0, "saved": 2 * T * D + 2 * 2 * T * cfg.intermediate_size / tp, "exchange": 0,
+    return {"flops": 0, "idle": 0, "saved": 2 * T * D + 2 * T * cfg.intermediate_size / tp, "exchange": 0,
             "sends": {"tp": (2 * (tp - 1) / tp * 2 * T * D, 1)}}
+
+
+def relu2_linear(h, lin):
+    """lin(relu(h)^2) for a bias-free nn.Linear `lin` through relu2_down (saving h, not relu(h)^2), its LoRA adapter
+    (lora.py) applied here as lora.add_adapter would: the module is not called, so its forward hook does not run."""
+    h_RI = h.reshape(-1, h.shape[-1])
+    if not hasattr(lin, "lora_A"):
+        (y,) = relu2_down(h_RI, None, lin.weight)
+    else:
+        y, z = relu2_down(h_RI, None, lin.weight, lin.lora_A)
+        y = y + F.linear(z, lin.lora_B) * lin.lora_scale
+    return y.view(*h.shape[:-1], -1)
+
+
+def relu2_down(h_RI, counts, *w_GOI):
+    """relu(h)^2 times each weight given, -> a tuple of outputs [R, O]: grouped like grouped_mm (counts rows a
+    group), or counts None: one dense weight [O, I] each. The weights are the down projection's and a LoRA
+    adapter's A, which reads the same squared ReLU."""
+    if h_RI.is_cuda and torch.is_autocast_enabled("cuda"):  # the GEMMs inside run in autocast's dtype
+        h_RI = h_RI.to(torch.get_autocast_dtype("cuda"))
+    return _Relu2Down.apply(h_RI, counts, *w_GOI)
+
+
+class _Relu2Down(torch.autograd.Function):
+    """relu2_down, saving h and not relu(h)^2 ([R, I] less a layer: the down projection's weight gradient was what
+    kept it). The price is one pointwise pass over [R, I] in backward, recomputing relu(h)^2 for the weights'
+    gradients; d/dh = grad * 2 relu(h) is a pass over [R, I] as autograd's would be."""
+
+    @staticmethod
+    def forward(ctx, h_RI, counts, *w_GOI):
+        a_RI = fused.squared_relu(h_RI)
+        ctx.dtypes = [w.dtype for w in w_GOI]
+        w_GOI = [w.to(a_RI.dtype) for w in w_GOI]   # the cast autocast would make, kept for backward as it keeps it
+        ctx.save_for_backward(h_RI, counts, *w_GOI)
+        return tuple(_down(a_RI, w, counts) for w in w_GOI)
+
+    @staticmethod
+    def backward(ctx, *grad_RO):
+        h_RI, counts, *w_GOI = ctx.saved_tensors
+        grad_RO = [g.contiguous() for g in grad_RO]   # an expanded gradient would not suit the grouped GEMM
+        grad_h = None
+        if ctx.needs_input_grad[0]:
+            grad_a = sum(_down(g, w.transpose(-2, -1), counts) for g, w in zip(grad_RO, w_GOI))
+            grad_h = fused.squared_relu_grad(h_RI, grad_a)
+            del grad_a   # before the recompute: two [R, I] beside h at most
+        grad_w = [None] * len(w_GOI)
+        if any(ctx.needs_input_grad[2:]):
+            a_RI = fused.squared_relu(h_RI)   # the recompute
+            grad_w = [_down_weight_grad(g, a_RI, counts).to(dtype) if needed else None
+                      for g, dtype, needed in zip(grad_RO, ctx.dtypes, ctx.needs_input_grad[2:])]
+        return grad_h, None, *grad_w
+
+
+def _down(a_RI, w_GOI, counts):
+    return F.linear(a_RI, w_GOI) if counts is None else grouped_mm(a_RI, w_GOI, counts)
+
+
+def _down_weight_grad(g_RO, a_RI, counts):
+    return g_RO.T @ a_RI if counts is None else grouped_mm_weight_grad(g_RO, a_RI, counts)
 
 
 class Experts(nn.Module):
@@ -143,16 +203,16 @@ class Experts(nn.Module):
 
 
 def expert_ffn(x_RZ, w_up, w_down, counts, lora=None):
-    """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection;
-    lora (scale, up A, up B, down A, down B): + scale * B (A x) on each projection, grouped the same way."""
-    h = grouped_mm(x_RZ, w_up, counts)
-    if lora is not None:
-        h = h + lora[0] * grouped_mm(grouped_mm(x_RZ, lora[1], counts), lora[2], counts)
-    a = fused.squared_relu(h)
-    y = grouped_mm(a, w_down, counts)
-    if lora is not None:
-        y = y + lora[0] * grouped_mm(grouped_mm(a, lora[3], counts), lora[4], counts)
-    return y
+    """up -> squared ReLU -> down for rows grouped by expert (counts rows each), one grouped GEMM per projection,
+    the down one through relu2_down (saving up's output, not the squared ReLU); lora (scale, up A, up B, down A,
+    down B): + scale * B (A x) on each projection, grouped the same way (down's A inside relu2_down)."""
+    h_RF = grouped_mm(x_RZ, w_up, counts)
+    if lora is None:
+        (y_RZ,) = relu2_down(h_RF, counts, w_down)
+        return y_RZ
+    h_RF = h_RF + lora[0] * grouped_mm(grouped_mm(x_RZ, lora[1], counts), lora[2], counts)
+    y_RZ, z_Rr = relu2_down(h_RF, counts, w_down, lora[3])
+    return y_RZ + lora[0] * grouped_mm(z_Rr, lora[4], counts)
 
 
 def grouped_mm(x_RI, w_GOI, counts):
@@ -165,6 +225,16 @@ def grouped_mm(x_RI, w_GOI, counts):
         return F.grouped_mm(x_RI, w_GOI.to(x_RI.dtype).transpose(-2, -1), offs=offs)
     parts = [x @ w.to(x.dtype).T for x, w in zip(torch.split(x_RI, counts.tolist()), w_GOI)]
     return torch.cat(parts) if parts else x_RI.new_zeros(0, w_GOI.shape[1])
+
+
+def grouped_mm_weight_grad(g_RO, x_RI, counts):
+    """grouped_mm's gradient in its weight, [G, O, I]: group g's rows of g^T x (zeros for a group of no rows). bf16
+    CUDA: the grouped GEMM whose 2-D operands share the grouped dimension, as torch's grouped_mm backward runs it."""
+    if x_RI.is_cuda and x_RI.dtype == torch.bfloat16 and hasattr(F, "grouped_mm"):
+        offs = torch.cumsum(counts.to(x_RI.device), 0, dtype=torch.int32)
+        return F.grouped_mm(g_RO.T, x_RI, offs=offs)
+    rows = counts.tolist()
+    return torch.stack([g.T @ x for g, x in zip(torch.split(g_RO, rows), torch.split(x_RI, rows))])
 
 
 class MoE(nn.Module):
@@ -259,16 +329,17 @@ class MoE(nn.Module):
 def moe_facts(cfg, seq_len, T=0, tp=1, cp=1, ep=1, etp=1):
     """What the plan and the cost model count of one MoE layer (model.kind_facts), routing balanced (T x k / tp rows a
     rank): idle, the routed experts a token does not run; saved, the input, the fp32 router input, scores and
-    sigmoid, the shared expert's inputs, the routed rows in and out and the experts' up and activation, the combined
-    rows, all-gathered over tp (LatentMoE: fc1's input slice and fc2's input too); sends: the shared expert's
-    all-reduce and the rows' all-gather over tp, the dispatch and combine over ep (and their all-gathers over etp)."""
+    sigmoid, the shared expert's input and up projection, the routed rows in and out and the experts' up projection
+    (relu2_down recomputes the squared ReLU), the combined rows, all-gathered over tp (LatentMoE: fc1's input slice
+    and fc2's input too); sends: the shared expert's all-reduce and the rows' all-gather over tp, the dispatch and
+    combine over ep (and their all-gathers over etp)."""
     K, E, D, F = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     Z = cfg.moe_latent_size or D
     latent = 2 * T * (D + Z) / tp if cfg.moe_latent_size else 0
     routed = 2 * T * K / tp * Z   # a rank's routed rows, bf16
     return {"flops": 0, "idle": (E - K) * 2 * Z * F,
-            "saved": (2 * T * D + 4 * T * D + 4 * 2 * T * E + 2 * 2 * T * cfg.moe_shared_expert_intermediate_size / tp
-                      + 2 * (T * K / tp) * etp * (2 * Z + 2 * F / etp) + 2 * T * D / tp + 2 * T * D + latent),
+            "saved": (2 * T * D + 4 * T * D + 4 * 2 * T * E + 2 * T * cfg.moe_shared_expert_intermediate_size / tp
+                      + 2 * (T * K / tp) * etp * (2 * Z + F / etp) + 2 * T * D / tp + 2 * T * D + latent),
             "exchange": 0,
             "sends": {"tp": ((2 * (tp - 1) / tp + (tp - 1) / tp) * 2 * T * D, 2),
                       "ep": (2 * ((ep - 1) / ep + etp - 1) * routed, 2 * (ep * etp > 1))}}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import comm
 import fused
 import lora
+import moe
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -161,10 +162,11 @@ def flops(cfg, grids, tower_trains, frames=None):
 def facts(cfg, S, Q, tp=1, tower_trains=True):
     """What the plan and the cost model count of the tower and projector over S tower tokens and Q projector rows on
     one rank: saved, the bytes autograd keeps for backward (a frozen tower nothing, the projector its inputs: the
-    shuffled rows in fp32 and bf16, its hidden layer's); sends, {"tp": (bytes, all-reduces)} of the blocks'
-    row-parallel outputs, forward (and backward where the tower trains)."""
+    shuffled rows in fp32 and bf16, its hidden layer's before the squared ReLU, which moe.relu2_down recomputes);
+    sends, {"tp": (bytes, all-reduces)} of the blocks' row-parallel outputs, forward (and backward where the tower
+    trains)."""
     C = cfg.vit_hidden
-    projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * 2 * Q * cfg.projector_hidden
+    projector = 4 * Q * 4 * C + 2 * Q * 4 * C + 2 * Q * cfg.projector_hidden
     per_block = 2 * S * C * 4 + 2 * S * (3 * C + C) / tp + 2 * 2 * S * cfg.vit_mlp / tp + 4 * S * cfg.vit_heads / tp
     count = cfg.vit_depth * (4 if tower_trains else 2) * (tp > 1)
     return {"saved": cfg.vit_depth * per_block * tower_trains + projector,
@@ -278,7 +280,7 @@ class VisionModel(nn.Module):
         if hasattr(self, "final_layernorm"):
             x_TC = fused.layer_norm(x_TC, self.final_layernorm)
         x_QX = torch.cat([pixel_shuffle(c, h, w) for c, (h, w) in zip(x_TC.split([h * w for h, w in grids]), grids)])
-        return self.mlp1["3"](fused.squared_relu(self.mlp1["1"](self.mlp1["0"](x_QX))))   # HF mlp1 (vision.md §7)
+        return moe.relu2_linear(self.mlp1["1"](self.mlp1["0"](x_QX)), self.mlp1["3"])   # HF mlp1 (vision.md §7)
 
 
 def hf_name(key):

@@ -116,6 +116,27 @@ def test_grouped_mm_matches_loop_bf16():
 
 
 @cuda
+def test_relu2_down_grouped_bf16_matches_fp32_loop():
+    """moe.relu2_down on bf16 CUDA (grouped GEMMs, the weight gradients by grouped_mm_weight_grad, the compiled
+    pointwise passes) == the CPU path's loop in fp32, with a LoRA A beside the down weight and empty experts."""
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 37, 5, 0, 130, 1, 64, 19], device="cuda")
+    h = torch.randn(int(counts.sum()), 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(8, 256, 512, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    a = (torch.randn(8, 8, 512, device="cuda") * 0.05).requires_grad_()       # fp32: cast inside, as autocast would
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, z = moe.relu2_down(h, counts, w, a)
+    gy, gz = torch.randn_like(y), torch.randn_like(z)
+    got = torch.autograd.grad((y, z), (h, w, a), (gy, gz))
+    assert y.dtype == z.dtype == torch.bfloat16 and [g.dtype for g in got] == [torch.bfloat16] * 2 + [torch.float32]
+    hf = h.detach().float().requires_grad_()
+    ref = [moe.grouped_mm(torch.relu(hf) ** 2, p.float(), counts) for p in (w, a)]
+    want = torch.autograd.grad(ref, (hf, w, a), (gy.float(), gz.float()))
+    assert rel_err(y, ref[0]) < 1e-2 and rel_err(z, ref[1]) < 1e-2
+    assert all(rel_err(g, r) < 1e-2 for g, r in zip(got, want))
+
+
+@cuda
 @pytest.mark.parametrize("preset,over", [("tiny", {}), ("small", {}), ("small", dict(
     moe_latent_size=64, num_nextn_predict_layers=1, mtp_depths=2))], ids=["tiny", "small", "small-latent-mtp"])
 def test_language_model_gpu_matches_cpu_fp32(preset, over):

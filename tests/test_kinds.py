@@ -71,8 +71,9 @@ def test_a_new_kind_is_planned_by_its_facts(gated, capsys):
     T, D, F_ = cfg.seq_len, cfg.hidden_size, cfg.intermediate_size
     mlp = memory.plan(dataclasses.replace(cfg, hybrid_override_pattern="M-*E"), lay)["language"]
     new = memory.plan(cfg, lay)["language"]
-    # the MLP saves two bf16 T x F tensors (up's output, down's input), the gated one three; it holds D x F more weights
-    assert new["activations"] - mlp["activations"] == 2 * T * F_ == 12288
+    # the MLP saves one bf16 T x F tensor (up's output: moe.relu2_down), the gated one three; it holds D x F more
+    # weights
+    assert new["activations"] - mlp["activations"] == 2 * 2 * T * F_ == 24576
     assert new["weights"] - mlp["weights"] == 2 * D * F_
     assert cost.step_seconds(cfg, lay)["step"] > cost.step_seconds(dataclasses.replace(
         cfg, hybrid_override_pattern="M-*E"), lay)["step"]          # its third matmul's FLOPs

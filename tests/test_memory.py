@@ -49,17 +49,17 @@ def test_language_rank_by_hand():
     T, D = 96, 64
     block = 2 * T * D + 4 * T                                           # residual into the norm, rstd
     attn = 2 * T * D + 2 * T * (4 + 2 * 2) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4
-    moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64      # input, fp32 router input, scores, shared
-           + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)   # routed rows in/out + up/act, combined
+    moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * T * 64          # input, fp32 router input, scores, shared
+           + 2 * (T * 2) * (2 * D + 32) + 2 * T * D + 2 * T * D)       # routed rows in/out + up, combined
     logits = 2 * T * 512
     head = 2 * 2 * T * D + logits + 8 * T
-    assert (block + attn, block + moe) == (75648, 178560)
+    assert (block + attn, block + moe) == (75648, 153984)
     # the mock's 64 x 64 image: 16 patches, 4 image rows after the 2 x 2 pixel shuffle, which the bridge hands over
     # and whose gradient returns
     received = 2 * 1 * 4 * D
-    assert lang["activations"] == (block + attn) + (block + moe) + head + logits + 2 * received == 476160 + 1024
+    assert lang["activations"] == (block + attn) + (block + moe) + head + logits + 2 * received == 451584 + 1024
     assert lang["workspace"] == 2 * 2 ** 25
-    assert lang["peak"] == 206208 + 412416 + 716928 + 476160 + 1024 + 2 * 2 ** 25
+    assert lang["peak"] == 206208 + 412416 + 716928 + 451584 + 1024 + 2 * 2 ** 25
     # set-up (init.py): the weights as they train (bf16), + one full-size fp32 draw of the largest (embeddings, 512 x
     # 64); the training peak is higher
     assert lang["setup"] == 2 * (dense + experts) + 4 * 512 * 64 == 337280 < lang["peak"]
@@ -86,14 +86,14 @@ def test_language_activations_under_cp_by_hand():
         block = 2 * T * D + 4 * T
         mamba = 2 * T * D + 2 * T * (2 * 128 + 2 * 64 + 8) + 2 * 2 * T * 128 + 4 * T * 4
         attn = 2 * T * D + 2 * (T * 4 + 2 * 2 * 96) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4   # K, V: the whole row
-        moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64
-               + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)
+        moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * T * 64
+               + 2 * (T * 2) * (2 * D + 32) + 2 * T * D + 2 * T * D)
         logits = 2 * T * 512
         head = 2 * 2 * T * D + logits + 8 * T
         exchange = 2 * 2 * T * 392
         received = 2 * 4 * D   # the mock image's 4 rows, whole on every cp rank, and their gradient
         want = 3 * block + mamba + attn + moe + head + logits + exchange + 2 * received
-        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 395968, 4: 204640}[cp]
+        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 383680, 4: 198496}[cp]
 
 
 def test_pipeline_stages_by_hand():
@@ -107,8 +107,8 @@ def test_pipeline_stages_by_hand():
     assert (M, E, A, F) == (30360, 8768, 12352, 8256)
     T, D = 96, 64
     block = 2 * T * D + 4 * T
-    act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 178560, "*": 75648,
-           "-": block + 2 * T * D + 2 * 2 * T * 64}             # E and *: test_language_rank_by_hand's
+    act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 153984, "*": 75648,
+           "-": block + 2 * T * D + 2 * T * 64}             # E and *: test_language_rank_by_hand's
     out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), the logits
     received = 2 * 4 * D   # the first stage's image rows from the bridge (kept), their gradient (passing)
     head = 2 * 2 * T * D + logits + 8 * T    # norm_f and lm_head inputs, logits, lse
@@ -129,7 +129,7 @@ def test_pipeline_stages_by_hand():
         assert (r["weights"], r["gradients"], r["optimizer"]) == (2 * n, 4 * n, 6 * n)
         assert r["setup"] == r["weights"] + 4 * 512 * 64
         assert r["activations"] == (2 - s) * kept + gone
-    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1098240, 766464]
+    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1049088, 705024]
     assert pp2["vision"]["activations"] == 3 * vision
 
     pp4, vision, lay = rows(["--lm-dp", "1", "--lm-pp", "4"])
@@ -141,7 +141,7 @@ def test_pipeline_stages_by_hand():
         r = pp4[f"language pp{s}"]   # dp 1, edp 1: 2 + 4 + 12 bytes
         assert (r["weights"], r["optimizer"]) == (2 * (dense + exp), 12 * (dense + exp))
         assert r["activations"] == (4 - s) * kept + gone
-    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1329664, 689664, 669696, 450048]
+    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1231360, 689664, 620544, 413184]
     assert pp4["vision"]["activations"] == 5 * vision
 
 
@@ -153,13 +153,13 @@ def test_colocated_pipeline_stage_holds_the_tower_too():
     lay = layout.plan(cfg, 2)
     rows, V = memory.plan(cfg, lay), memory.vision_activation_bytes(cfg, lay)
     assert lay.kind == "own lanes" and lay.num_microbatches == 4 and list(rows) == ["language pp0", "language pp1"]
-    kept = [2 * 542208, 2 * 668160]   # test_pipeline_stages_by_hand's stages at twice the tokens
+    kept = [2 * 517632, 2 * 606720]   # test_pipeline_stages_by_hand's stages at twice the tokens
     assert [memory.language_activation_bytes(cfg, lay, s) for s in (0, 1)] == [(kept[0], 2 * 2 * 96 * 64),
                                                                             (kept[1], 2 * 2 * 96 * 512)]
     received = 2 * 2 * 4 * 64   # stage 0's image rows of 2 samples from the tower's lanes, and their gradient
     assert rows["language pp0"]["activations"] == max(3 * V + kept[0] + received,
-                                                      2 * V + 2 * (kept[0] + received) + 24576 + received) == 2206720
-    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 196608) == 1543168
+                                                      2 * V + 2 * (kept[0] + received) + 24576 + received) == 2106368
+    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 196608) == 1418240
     for s, r in enumerate(rows.values()):
         alone = memory.parameter_bytes(cfg, lay, True, s)
         assert r["weights"] == alone["vision"]["weights"] + alone["language"]["weights"]
@@ -359,4 +359,4 @@ def test_a_layer_kind_the_plan_does_not_know_is_estimated():
                         micro_batch=1, global_batch=8)
     new = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*GM-E"), lay)["language"]
     moe = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*EM-E"), lay)["language"]
-    assert new["activations"] == moe["activations"] == 1301504
+    assert new["activations"] == moe["activations"] == 1214464

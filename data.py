@@ -16,7 +16,6 @@ every file, cached beside it. A document longer than seq_len: --overlong (docs/d
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -549,31 +548,6 @@ def build(cfg, tokenizer, verbose=True, train=None):
         head.append((w, p, {**idx, **{k: idx[k][:cut] for k in keys}}))
         tail.append((w, p, {**idx, **{k: idx[k][cut:] for k in keys}}))
     return RealData(head, enc, cfg.seed, cfg.pack), RealData(tail, enc, cfg.seed, cfg.pack, "eval")
-
-
-def tower_load(ds, cfg):
-    """(tower tokens, projector rows, what bounds them) of the largest sample training data `ds` can produce: the
-    memory plan's vision load (memory.py; None for the mock, whose images memory.vision_items knows). From the index
-    (formats.index_file): an image of h x w patches is h*w/4 placeholders and h*w + class_token_len tower tokens
-    (a video tubelet alike). Unpacked, a sample is one document: the largest. Packed, a row is documents of one
-    source whose lengths add up to at most seq_len, each at most twice (a row spans at most two epochs): bounded by
-    filling seq_len with the documents of the most tokens per token, the last in part (a fractional knapsack)."""
-    if not isinstance(ds, RealData):
-        return None
-    K, most = cfg.class_token_len, [0, 0]
-    for _, _, idx in ds.sources:
-        lengths = idx["lengths"].astype(np.float64)
-        for k, value in enumerate((4 * idx["image_tokens"] + K * idx["images"], idx["image_tokens"])):
-            if not ds.pack:
-                most[k] = max(most[k], int(value.max()))
-                continue
-            order = np.argsort(-value / lengths, kind="stable")
-            v, n = np.repeat(value[order], 2).astype(np.float64), np.repeat(lengths[order], 2)
-            whole = int(np.searchsorted(np.cumsum(n), cfg.seq_len, side="right"))   # documents that fit in whole
-            part = (cfg.seq_len - n[:whole].sum()) / n[whole] * v[whole] if whole < len(v) else 0.0
-            most[k] = max(most[k], math.ceil(v[:whole].sum() + part))
-    what = "the densest seq_len of packed documents its index holds" if ds.pack else "its largest document"
-    return most[0], most[1], f"--data {cfg.data}: {what}"
 
 
 class EvalSet:

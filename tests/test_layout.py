@@ -388,6 +388,6 @@ def test_the_prediction_reads_the_data(tmp_path):
     shares = cost.slowest(stats, layout.plan(cli.config_of(real + MEASURED["own lanes"][0]), 2))
     assert len(shares) == 128 and round(sum(shares) / 128, 2) == 1.14   # the slower of two lanes: 14 % above
     said = []   # the chooser's pick at 80 GiB, and what its prediction read
-    lay = chooser.plan(cfg, 2, H100, say=said.append, load=data.tower_load(ds, cfg), stats=stats)
+    lay = chooser.plan(cfg, 2, H100, say=said.append, load=memory.tower_load(ds, cfg), stats=stats)
     assert lay.brief() == "in place: tp2" and f"s a step for {cost.basis(cfg, stats)}" in said[0], said
     assert len(stats.slow) == 3   # the lane shapes weighed: one in place, one lane a side, two vision lanes beside one

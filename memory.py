@@ -192,9 +192,9 @@ def tower_load(ds, cfg):
     """(tower tokens, projector rows, what bounds them) of the largest sample training data `ds` can produce: the
     plan's vision load (None for the mock: mock_load). From the index (formats.index_file): an image of h x w patches
     is h*w/4 placeholders and h*w + class_token_len tower tokens (a video tubelet alike). Unpacked, a sample is one
-    document: the largest. Packed, a row is documents of one source whose lengths add up to at most seq_len, each at
-    most twice (a row spans at most two epochs): bounded by filling seq_len with the documents of the most tokens per
-    token, the last in part (a fractional knapsack)."""
+    document: the largest. Packed, a row is documents of one source whose lengths add up to at most seq_len, none
+    twice (a row packs one window of one epoch: data.RealData.window): bounded by filling seq_len with the documents
+    of the most tokens per token, the last in part (a fractional knapsack)."""
     if not isinstance(ds, data.RealData):
         return None
     K, most = cfg.class_token_len, [0, 0]
@@ -205,7 +205,7 @@ def tower_load(ds, cfg):
                 most[k] = max(most[k], int(value.max()))
                 continue
             order = np.argsort(-value / lengths, kind="stable")
-            v, n = np.repeat(value[order], 2).astype(np.float64), np.repeat(lengths[order], 2)
+            v, n = value[order].astype(np.float64), lengths[order]
             whole = int(np.searchsorted(np.cumsum(n), cfg.seq_len, side="right"))   # documents that fit in whole
             part = (cfg.seq_len - n[:whole].sum()) / n[whole] * v[whole] if whole < len(v) else 0.0
             most[k] = max(most[k], math.ceil(v[:whole].sum() + part))

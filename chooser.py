@@ -19,7 +19,7 @@ def plan(cfg, world, capacity, cuda=True, say=lambda line: None, strict=True, lo
     """The run's layout on `world` ranks of `capacity` bytes, before any collective: chosen (choose), or the one
     the flags name with its stages' layers moved where a stage would not fit (fit_split), run as named even where
     its plan exceeds `capacity` (the plan is an estimate; the run's peak is the fact). cuda: plan CUDA's bytes, else
-    the CPU's. load: the data's tower load (data.tower_load; None: the mock's); stats: what the predicted step
+    the CPU's. load: the data's tower load (memory.tower_load; None: the mock's); stats: what the predicted step
     reads of the data (cost.data_stats; None: the mock's samples)."""
     flags = given(cfg)
     if not flags:

@@ -10,13 +10,14 @@ Records (docs/data.md §2; files and record shapes: formats.py): {"messages": [.
 parts (video.py); {"text": "..."}, BOS + text + EOS, all trained; {"input_ids": [...], "loss_mask": [...]}, as is
 (loss_mask[t] = 1 trains token t, default all). Index i -> (source s, its k-th draw) by a greedy weighted schedule;
 unpacked, the k-th draw of s is document perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is
-the k-th row of a next-fit packing of s's permuted document stream. Token lengths come from a one-time index of
-every file, cached beside it. A document longer than seq_len: --overlong (docs/data.md §5, formats.truncate).
+the k-th row of s's permuted document stream cut into windows of PACK_WINDOW documents (within each epoch), each
+window packed best-fit decreasing (packing.py). Token lengths come from a one-time index of every file, cached
+beside it. A document longer than seq_len: --overlong (docs/data.md §5, formats.truncate).
 """
+import bisect
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 import formats
+import packing
 import radio
 import video
 import watchdog
@@ -430,56 +432,79 @@ class Blend:
         return int(self.source[i]), int(self.draw[i])
 
 
+PACK_WINDOW = 64   # packed rows 96 % full on real-shaped data, next-fit's 79 % (bench/2026-11-28-data-speed.md §1)
+
+
 class RealData:
     """JSONL sources [(weight, path, index)] -> Samples by global index (see the module docstring)."""
 
     def __init__(self, sources, encoder, seed, pack=False, name="train"):
         self.sources, self.enc, self.seed, self.pack, self.cfg = sources, encoder, seed, pack, encoder.cfg
         self.blend = Blend([w for w, _, _ in sources])
-        self.perms = {}
-        self.row_starts = [[0] for _ in sources]   # packed rows of source s: stream positions where each starts
+        self.perms, self.windows = {}, {}            # a few recent epochs' permutations, windows' rows
+        self.row_ends = [[0] for _ in sources]      # packed rows of source s: rows up to the end of each window
+        packer = pack and f"{packing.NAME}/{PACK_WINDOW}"   # a run resumed under another packer says so (Loader)
         self.fingerprint = hashlib.sha256(json.dumps(
-            [name, seed, pack, encoder.fingerprint, [(w, os.path.abspath(p), int(idx["offsets"].sum()),
-                                                      len(idx["offsets"])) for w, p, idx in sources]]
+            [name, seed, packer, encoder.fingerprint, [(w, os.path.abspath(p), int(idx["offsets"].sum()),
+                                                        len(idx["offsets"])) for w, p, idx in sources]]
         ).encode()).hexdigest()[:16]
 
     def __getitem__(self, i):
         return self.sample(i)
 
     def __len__(self):
-        """One pass over the data: every document once (unpacked), the rows that pack them all (packed); exact
-        for one source, the sum of the sources' counts for a blend."""
+        """One pass over the data: every document once (unpacked), the rows that pack them all (packed: the rows of
+        each source's first epoch, whose last window holds the epoch's last n mod PACK_WINDOW documents, or a whole
+        window's); exact for one source, the sum of the sources' counts for a blend."""
         total = 0
         for s, (_, _, idx) in enumerate(self.sources):
-            n, rows = len(idx["offsets"]), 0
-            while self.pack and (rows == 0 or self.row_starts[s][rows] < n):
-                self.row(s, rows)                       # extends row_starts to rows + 1
-                rows += 1
-            total += rows if self.pack else n
+            n = len(idx["offsets"])
+            total += self.rows_before(s, -(-n // PACK_WINDOW)) if self.pack else n
         return total
 
-    def doc(self, s, position):
-        """Document (row in source s's index) at `position` of s's stream: epoch-wise seeded permutations."""
-        n = len(self.sources[s][2]["offsets"])
-        epoch = position // n
+    def perm(self, s, epoch):
+        """Source s's documents in the order of its stream's epoch `epoch`: a seeded permutation."""
         if (s, epoch) not in self.perms:
             if len(self.perms) > 8:
                 self.perms.clear()
             key = hashlib.sha256(f"{self.seed}/{s}/{epoch}".encode()).digest()[:8]
             g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-            self.perms[s, epoch] = torch.randperm(n, generator=g).numpy()
-        return int(self.perms[s, epoch][position % n])
+            self.perms[s, epoch] = torch.randperm(len(self.sources[s][2]["offsets"]), generator=g).numpy()
+        return self.perms[s, epoch]
+
+    def doc(self, s, position):
+        """Document (row in source s's index) at `position` of s's stream."""
+        n = len(self.sources[s][2]["offsets"])
+        return int(self.perm(s, position // n)[position % n])
+
+    def window(self, s, w):
+        """The packed rows (lists of documents) of window w of source s: an epoch is cut into windows of PACK_WINDOW
+        consecutive stream positions, the last one shorter, so no row holds a document twice (memory.tower_load)."""
+        if (s, w) not in self.windows:
+            if len(self.windows) > 64:
+                self.windows.clear()
+            per_epoch = -(-len(self.sources[s][2]["offsets"]) // PACK_WINDOW)
+            first = w % per_epoch * PACK_WINDOW
+            docs = self.perm(s, w // per_epoch)[first:first + PACK_WINDOW]
+            rows = packing.best_fit_decreasing(self.sources[s][2]["lengths"][docs].tolist(), self.cfg.seq_len)
+            self.windows[s, w] = [[int(docs[i]) for i in row] for row in rows]
+        return self.windows[s, w]
+
+    def rows_before(self, s, w):
+        """Packed rows of source s before its window w."""
+        ends = self.row_ends[s]
+        while len(ends) <= w:
+            ends.append(ends[-1] + len(self.window(s, len(ends) - 1)))
+        return ends[w]
 
     def row(self, s, k):
-        """Documents of packed row k of source s: next-fit over the stream, so row k depends on nothing but k."""
-        starts, lengths = self.row_starts[s], self.sources[s][2]["lengths"]
-        while len(starts) <= k + 1:
-            pos, used = starts[-1], 0
-            while used + lengths[self.doc(s, pos)] <= self.cfg.seq_len:   # every document fits alone (indexing)
-                used += lengths[self.doc(s, pos)]
-                pos += 1
-            starts.append(pos)
-        return [self.doc(s, pos) for pos in range(starts[k], starts[k + 1])]
+        """Documents of packed row k of source s: the rows of its windows in order, so row k depends on nothing but
+        k (every document fits a row alone: indexing)."""
+        ends = self.row_ends[s]
+        while ends[-1] <= k:
+            self.rows_before(s, len(ends))             # extends ends by a window
+        w = bisect.bisect_right(ends, k) - 1
+        return self.window(s, w)[k - ends[w]]
 
     def load(self, s, d, pixels):
         _, path, idx = self.sources[s]
@@ -549,31 +574,6 @@ def build(cfg, tokenizer, verbose=True, train=None):
         head.append((w, p, {**idx, **{k: idx[k][:cut] for k in keys}}))
         tail.append((w, p, {**idx, **{k: idx[k][cut:] for k in keys}}))
     return RealData(head, enc, cfg.seed, cfg.pack), RealData(tail, enc, cfg.seed, cfg.pack, "eval")
-
-
-def tower_load(ds, cfg):
-    """(tower tokens, projector rows, what bounds them) of the largest sample training data `ds` can produce: the
-    memory plan's vision load (memory.py; None for the mock, whose images memory.vision_items knows). From the index
-    (formats.index_file): an image of h x w patches is h*w/4 placeholders and h*w + class_token_len tower tokens
-    (a video tubelet alike). Unpacked, a sample is one document: the largest. Packed, a row is documents of one
-    source whose lengths add up to at most seq_len, each at most twice (a row spans at most two epochs): bounded by
-    filling seq_len with the documents of the most tokens per token, the last in part (a fractional knapsack)."""
-    if not isinstance(ds, RealData):
-        return None
-    K, most = cfg.class_token_len, [0, 0]
-    for _, _, idx in ds.sources:
-        lengths = idx["lengths"].astype(np.float64)
-        for k, value in enumerate((4 * idx["image_tokens"] + K * idx["images"], idx["image_tokens"])):
-            if not ds.pack:
-                most[k] = max(most[k], int(value.max()))
-                continue
-            order = np.argsort(-value / lengths, kind="stable")
-            v, n = np.repeat(value[order], 2).astype(np.float64), np.repeat(lengths[order], 2)
-            whole = int(np.searchsorted(np.cumsum(n), cfg.seq_len, side="right"))   # documents that fit in whole
-            part = (cfg.seq_len - n[:whole].sum()) / n[whole] * v[whole] if whole < len(v) else 0.0
-            most[k] = max(most[k], math.ceil(v[:whole].sum() + part))
-    what = "the densest seq_len of packed documents its index holds" if ds.pack else "its largest document"
-    return most[0], most[1], f"--data {cfg.data}: {what}"
 
 
 class EvalSet:

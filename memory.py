@@ -24,12 +24,15 @@ parameter (the tower and the adapters are drawn on the CPU); optim.build's buffe
 draw is freed, in the training peak. Checked on the GPU by bench/memory_check.py and tests/test_gpu.py.
 """
 import json
+import math
 import os
 
+import numpy as np
 import torch
 
 import comm
 import config
+import data
 import lora
 import model
 import optim
@@ -178,15 +181,40 @@ def vision_items(cfg):
 
 
 def mock_load(cfg):
-    """The mock sample's tower load (vision_items) in data.tower_load's form: (tower tokens, projector rows, what)."""
+    """The mock sample's tower load (vision_items) in tower_load's form: (tower tokens, projector rows, what)."""
     items = vision_items(cfg)
     what = f"{len(items)} video tubelets" if items[0][2] > 1 else f"{cfg.mock_image_size} px square image"
     return (sum(h * w + cfg.class_token_len for h, w, _ in items), sum(h * w // 4 for h, w, _ in items),
             f"the mock's {what}")
 
 
+def tower_load(ds, cfg):
+    """(tower tokens, projector rows, what bounds them) of the largest sample training data `ds` can produce: the
+    plan's vision load (None for the mock: mock_load). From the index (formats.index_file): an image of h x w patches
+    is h*w/4 placeholders and h*w + class_token_len tower tokens (a video tubelet alike). Unpacked, a sample is one
+    document: the largest. Packed, a row is documents of one source whose lengths add up to at most seq_len, none
+    twice (a row packs one window of one epoch: data.RealData.window): bounded by filling seq_len with the documents
+    of the most tokens per token, the last in part (a fractional knapsack)."""
+    if not isinstance(ds, data.RealData):
+        return None
+    K, most = cfg.class_token_len, [0, 0]
+    for _, _, idx in ds.sources:
+        lengths = idx["lengths"].astype(np.float64)
+        for k, value in enumerate((4 * idx["image_tokens"] + K * idx["images"], idx["image_tokens"])):
+            if not ds.pack:
+                most[k] = max(most[k], int(value.max()))
+                continue
+            order = np.argsort(-value / lengths, kind="stable")
+            v, n = value[order].astype(np.float64), lengths[order]
+            whole = int(np.searchsorted(np.cumsum(n), cfg.seq_len, side="right"))   # documents that fit in whole
+            part = (cfg.seq_len - n[:whole].sum()) / n[whole] * v[whole] if whole < len(v) else 0.0
+            most[k] = max(most[k], math.ceil(v[:whole].sum() + part))
+    what = "the densest seq_len of packed documents its index holds" if ds.pack else "its largest document"
+    return most[0], most[1], f"--data {cfg.data}: {what}"
+
+
 def vision_tokens(cfg, lay, load=None):
-    """(tower tokens, projector tokens) of one micro-batch of one vision rank: per sample, `load`'s (data.tower_load:
+    """(tower tokens, projector tokens) of one micro-batch of one vision rank: per sample, `load`'s (tower_load:
     the largest sample the data can produce; None: the mock's)."""
     tower, rows, _ = load or mock_load(cfg)
     return lay.vision_micro_batch * tower, lay.vision_micro_batch * rows

@@ -110,7 +110,7 @@ def main(argv=None):
         if inv.dry_run:   # the data is indexed (its tower load is planned), nothing else is built
             capacity = inv.gpu_memory * memory.GIB
             train_data = datasets(cfg, data.load_tokenizer(start.tokenizer, cfg), True)[0]
-            load, stats = data.tower_load(train_data, cfg), cost.data_stats(cfg, train_data)
+            load, stats = memory.tower_load(train_data, cfg), cost.data_stats(cfg, train_data)
             lay = chooser.plan(cfg, world, capacity, cuda=True, say=say, strict=False, load=load, stats=stats)
             return memory.dry_run(cfg, lay, capacity, cost.step_seconds(cfg, lay, stats=stats), load,
                                   cost.basis(cfg, stats))
@@ -155,7 +155,7 @@ def setup(cfg, inv, start, device, say):
         comm.on_every_rank(resume.agree, start)
         tokenizer = data.load_tokenizer(start.tokenizer, cfg)
         train_data, eval_data = datasets(cfg, tokenizer, rank == 0)
-        capacity, load = memory.capacity(device), data.tower_load(train_data, cfg)
+        capacity, load = memory.capacity(device), memory.tower_load(train_data, cfg)
         stats = cost.data_stats(cfg, train_data)   # the step predicted from the data (docs/layouts.md §1)
         lay = chooser.plan(cfg, world, capacity, cuda=device.type == "cuda", say=say, load=load, stats=stats)
     except SystemExit:

@@ -6,8 +6,8 @@ k, v are views of one qkv GEMM output) checked against flash varlen, and the tim
     python bench/attention_kernels.py --train LAYOUT [train.py flags]   # train with radio.packed_attention replaced
 
 Image sizes follow bench/real_shaped.py's mix (photos, small images, document pages) through the project's own
-token budget (radio.compute_params, seq_len 8192), packed next-fit into rows of 8192 tokens as --pack does: a segment
-is an image's h*w patches plus its class tokens. Errors are found in child processes (a CUDA error can leave the
+token budget (radio.compute_params, seq_len 8192), packed into rows of 8192 tokens as --pack does (best-fit decreasing
+within windows of data.PACK_WINDOW documents, packing.py): a segment is an image's h*w patches plus its class tokens. Errors are found in child processes (a CUDA error can leave the
 context unusable), run with CUDA_LAUNCH_BLOCKING=1 so that an error names its own call; a child that fails is
 restarted at the next case. Prints one JSON line a finding, then a table of times.
 """
@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import config   # noqa: E402
+import data     # noqa: E402
+import packing  # noqa: E402
 import radio    # noqa: E402
 
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
@@ -55,21 +57,20 @@ def image_sizes(rng):
 
 
 def microbatches(cfg, n, seed):
-    """n packed rows' segment lists (h*w + class tokens an image): documents next-fit into seq_len tokens (their
-    image tokens h*w/4 plus the text)."""
+    """n packed rows' segment lists (h*w + class tokens an image): documents (their image tokens h*w/4 plus the
+    text) packed into seq_len tokens as RealData.window packs a window."""
     rng = random.Random(seed)
-    rows, row, used = [], [], 0
+    rows = []
     while len(rows) < n:
-        text = int(min(rng.lognormvariate(5.3, 0.9), 9000))
-        grids = radio.compute_params(image_sizes(rng), max(cfg.seq_len - text, 0), cfg.min_num_patches,
-                                     cfg.max_num_patches, cfg.vit_patch)
-        segs = [h * w + cfg.class_token_len for h, w in grids]
-        tokens = min(text + sum(h * w // 4 for h, w in grids), cfg.seq_len)
-        if used + tokens > cfg.seq_len:
-            rows.append(row)
-            row, used = [], 0
-        row, used = row + segs, used + tokens
-    return rows
+        segs, tokens = [], []
+        for _ in range(data.PACK_WINDOW):
+            text = int(min(rng.lognormvariate(5.3, 0.9), 9000))
+            grids = radio.compute_params(image_sizes(rng), max(cfg.seq_len - text, 0), cfg.min_num_patches,
+                                         cfg.max_num_patches, cfg.vit_patch)
+            segs.append([h * w + cfg.class_token_len for h, w in grids])
+            tokens.append(min(text + sum(h * w // 4 for h, w in grids), cfg.seq_len))
+        rows += [[s for d in row for s in segs[d]] for row in packing.best_fit_decreasing(tokens, cfg.seq_len)]
+    return rows[:n]
 
 
 # ---------------------------------------------------------------- ways to run a packed micro-batch

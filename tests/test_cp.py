@@ -124,8 +124,8 @@ def test_document_flex_mask_equals_the_boolean_mask(monkeypatch):
 
 def packed_data(root):
     """Chat documents with images (one of 24 placeholder tokens) and text documents, packed into rows of 96. The
-    first step's rows: [image 7-30 crossing positions 12 and 24, text only, a small image, two images 7-68], with
-    padding and 2-3 documents a row."""
+    first step's rows: [image 7-30 crossing positions 12 and 24 and a text, text only, two images 10-65, a small
+    image 7-16], each with padding, 1-2 documents a row."""
     os.makedirs(root / "img", exist_ok=True)
     for i, (w, h) in enumerate([(192, 128), (96, 64), (64, 64), (160, 64)]):
         Image.new("RGB", (w, h), (40 * i, 200 - 30 * i, 90)).save(root / "img" / f"{i}.png")
@@ -136,7 +136,7 @@ def packed_data(root):
                 {"role": "user", "content": [{"type": "text", "text": "see" * (i % 3)},
                                              {"type": "image", "image": f"img/{i // 2}.png"},
                                              {"type": "text", "text": f"q{i}"}]},
-                {"role": "assistant", "content": "ans" + "x" * (2 * i)}]})
+                {"role": "assistant", "content": "ans" + "x" * (3 * i)}]})
         else:
             lines.append({"text": f"doc{i} " + "lorem ipsum " * i})
     path = root / "cp.jsonl"

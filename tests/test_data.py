@@ -142,13 +142,17 @@ def docs_file(tmp_path, n=8, name="d.jsonl", tag="doc"):
     return write_jsonl(tmp_path / name, [{"text": f"{tag}{i:02d}" + "x" * (3 * i)} for i in range(n)])
 
 
-def test_packing_rows_follow_the_document_stream(tmp_path):
+def test_packing_rows_hold_the_document_stream(tmp_path):
+    """Packed rows hold the stream's documents whole and apart (seq_idx, labels), in stream order within a row; one
+    pass (len) holds each document once: 8 documents of 7-28 tokens, 140 in all, best-fit into two rows of 96."""
     path = docs_file(tmp_path)
     plain, _ = build(path)
     packed, _ = build(path, pack=True)
-    stream, k = [], 0
-    for i in range(6):
-        s = packed[i]
+    position = {text_of(plain[i]): i for i in range(8)}     # each document's place in the stream's first epoch
+    assert len(packed) == 2
+    stream = []
+    for i in range(len(packed)):
+        s, row = packed[i], []
         seq = s.seq_idx
         assert (seq[1:] >= seq[:-1]).all() and seq[0] == 0
         n_docs = int(seq[s.input_ids != PAD].max()) + 1
@@ -157,15 +161,15 @@ def test_packing_rows_follow_the_document_stream(tmp_path):
             where = (seq == d).nonzero().flatten()
             ids, labels = s.input_ids[where], s.labels[where]
             assert labels[-1] == -100                 # no label crosses into the next document
-            one = plain[k]                            # the same document, unpacked
+            row.append(position[decode(ids.tolist())])
+            one = plain[row[-1]]                      # the same document, unpacked
             assert ids.tolist() == one.input_ids[:len(ids)].tolist() and (one.input_ids[len(ids):] == PAD).all()
             assert labels.tolist() == one.labels[:len(ids)].tolist()
-            stream.append(text_of(one))
-            k += 1
+        assert row == sorted(row)
+        stream += row
         pad = s.input_ids == PAD
         assert (s.labels[pad] == -100).all() and (seq[pad] == n_docs).all()
-    assert sorted(stream[:8]) == sorted(text_of(plain[i]) for i in range(8))   # an epoch: each document once
-    assert len(set(stream[:8])) == 8
+    assert sorted(stream) == list(range(8))           # an epoch: each document once
 
 
 def test_packing_boundaries_reach_the_model(tmp_path):

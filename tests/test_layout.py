@@ -358,7 +358,8 @@ MEASURED = {   # 20l, 16 experts, stage 3, global batch 8 on 2 x H200 (docs/layo
 def test_the_prediction_reads_the_data(tmp_path):
     """cost.data_stats over 200 records of bench/real_shaped.py's full-size mix, packed: the mean sample's tower in
     place of the mock's 2048² image, each micro-batch's slowest vision lane as lanes.assign places the samples. The
-    layouts measured on real-shaped data, pinned; the mock's predictions unchanged; the dry run says which."""
+    predictions of the layouts measured on real-shaped data (rows packed next-fit then, docs/layouts.md §1), pinned;
+    the mock's predictions unchanged; the dry run says which."""
     import data
     import mock
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -369,10 +370,10 @@ def test_the_prediction_reads_the_data(tmp_path):
     cfg = cli.config_of(real)
     ds = data.build(cfg, data.load_tokenizer(None, cfg), verbose=False)[0]
     stats = cost.data_stats(cfg, ds)
-    assert (stats.samples, round(stats.images, 2), round(stats.patches), round(stats.tokens)) == (256, 2.57, 10751,
-                                                                                                  6441)
+    assert (stats.samples, round(stats.images, 2), round(stats.patches), round(stats.tokens)) == (256, 3.11, 12978,
+                                                                                                  7815)
     assert cost.data_stats(cfg, mock.MockData(cfg, 0)) is None
-    assert cost.basis(cfg, stats) == (f"--data {path}: 256 samples read, a sample 2.57 images, 10751 patches, 6441 "
+    assert cost.basis(cfg, stats) == (f"--data {path}: 256 samples read, a sample 3.11 images, 12978 patches, 7815 "
                                       "tokens (means)") and cost.basis(cfg) == "the mock's 2048 px square image"
     got = {}
     for name, (flags, world, mocked) in MEASURED.items():
@@ -380,8 +381,8 @@ def test_the_prediction_reads_the_data(tmp_path):
         got[name] = round(cost.step_seconds(cli.config_of(real + flags), lay, stats=stats)["step"], 2)
         if mocked:
             assert round(cost.step_seconds(cli.config_of(base + flags), lay)["step"], 2) == mocked
-    assert got == {"one GPU": 4.35, "hetero": 3.04, "own lanes": 2.75, "pipeline": 3.07, "cp2": 3.78,
-                   "in place tp2": 3.26}
+    assert got == {"one GPU": 4.87, "hetero": 3.47, "own lanes": 3.05, "pipeline": 3.45, "cp2": 4.30,
+                   "in place tp2": 3.64}
     # one vision lane: each micro-batch's tower its own sample's, their mean the mean sample's; two: the slower's
     hetero = layout.plan(cli.config_of(real + MEASURED["hetero"][0]), 2)
     shares = cost.slowest(stats, hetero)
@@ -389,6 +390,6 @@ def test_the_prediction_reads_the_data(tmp_path):
     shares = cost.slowest(stats, layout.plan(cli.config_of(real + MEASURED["own lanes"][0]), 2))
     assert len(shares) == 128 and round(sum(shares) / 128, 2) == 1.14   # the slower of two lanes: 14 % above
     said = []   # the chooser's pick at 80 GiB, and what its prediction read
-    lay = chooser.plan(cfg, 2, H100, say=said.append, load=data.tower_load(ds, cfg), stats=stats)
+    lay = chooser.plan(cfg, 2, H100, say=said.append, load=memory.tower_load(ds, cfg), stats=stats)
     assert lay.brief() == "in place: tp2" and f"s a step for {cost.basis(cfg, stats)}" in said[0], said
     assert len(stats.slow) == 3   # the lane shapes weighed: one in place, one lane a side, two vision lanes beside one

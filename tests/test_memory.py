@@ -286,7 +286,7 @@ def test_set_up_stays_under_the_training_peak_on_the_presets():
 # ---------------------------------------------------------------- the tower's load from the data
 
 def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
-    """data.tower_load on bench/real_shaped.py's small form: the index counts each document's image placeholders and
+    """memory.tower_load on bench/real_shaped.py's small form: the index counts each document's image placeholders and
     images as its samples hold them; unpacked, the largest document exactly; packed, a bound at or above every row
     of the first epochs (and below seq_len's worth of patches and class tokens); the mock: None (memory knows its
     image). The plan grows with it."""
@@ -308,7 +308,7 @@ def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
         docs = [ds.load(0, d, True) for d in range(len(idx["offsets"]))]
         assert idx["image_tokens"].tolist() == [sum(t == cfg.image_token_id for t in ids) for ids, _, _ in docs]
         assert idx["images"].tolist() == [len(ims) for _, _, ims in docs]
-        most = data.tower_load(ds, cfg)
+        most = memory.tower_load(ds, cfg)
         seen = [tower(ds.sample(i)) for i in range(2 * len(ds))]
         if pack:
             assert all(t <= most[0] and r <= most[1] for t, r in seen)
@@ -320,7 +320,7 @@ def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
         assert memory.vision_tokens(cfg, lay, most)[0] == most[0] and memory.vision_tokens(cfg, lay)[0] == 16 + 2
         assert memory.plan(cfg, lay, load=most)["vision"]["peak"] > memory.plan(cfg, lay)["vision"]["peak"]
     assert loads[True][0] > loads[False][0] and "packed" in loads[True][2]
-    assert data.tower_load(__import__("mock").MockData(cfg, 0), cfg) is None
+    assert memory.tower_load(__import__("mock").MockData(cfg, 0), cfg) is None
 
 
 def test_the_dry_run_plans_the_data_s_largest_sample(tmp_path):

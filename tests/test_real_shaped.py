@@ -28,9 +28,9 @@ rs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rs)
 
 GB = 8
-# --seed 1249: the first step's eight packed rows (of the small form, data seed 0) hold every kind of document
+# --seed 59: the first step's eight packed rows (of the small form, data seed 0) hold every kind of document
 STEP = ["--preset", "tiny", "--seq-len", "256", "--pack", "--overlong", "truncate", "--global-batch", str(GB),
-        "--seed", "1249", "--steps", "1", "--stage", "3", "--lr", "3e-4", "--lr-schedule", "constant"]
+        "--seed", "59", "--steps", "1", "--stage", "3", "--lr", "3e-4", "--lr-schedule", "constant"]
 
 
 @pytest.fixture(scope="module")

@@ -51,21 +51,22 @@ def test_language_rank_by_hand():
     attn = 2 * T * D + 2 * T * (4 + 2 * 2) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4
     moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64      # input, fp32 router input, scores, shared
            + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)   # routed rows in/out + up/act, combined
-    logits = 2 * T * 512
-    head = 2 * 2 * T * D + logits + 8 * T
-    assert (block + attn, block + moe) == (75648, 178560)
+    logits, weight = 2 * T * 512, 2 * 512 * D   # one chunk's logits (all 96 tokens), the head's weight (bf16)
+    head = 2 * 2 * T * D + 2 * weight           # norm_f's input, d(loss)/dh; d(loss)/dW in fp32 (model.head_loss)
+    chunk = max(2 * logits, logits + weight)    # in the head's forward: logits and their gradient, or it and d/dW
+    assert (block + attn, block + moe, head, chunk) == (75648, 178560, 155648, 196608)
     # the mock's 64 x 64 image: 16 patches, 4 image rows after the 2 x 2 pixel shuffle, which the bridge hands over
     # and whose gradient returns
     received = 2 * 1 * 4 * D
-    assert lang["activations"] == (block + attn) + (block + moe) + head + logits + 2 * received == 476160 + 1024
+    assert lang["activations"] == (block + attn) + (block + moe) + head + chunk + 2 * received == 606464 + 1024
     assert lang["workspace"] == 2 * 2 ** 25
-    assert lang["peak"] == 206208 + 412416 + 716928 + 476160 + 1024 + 2 * 2 ** 25
+    assert lang["peak"] == 206208 + 412416 + 716928 + 606464 + 1024 + 2 * 2 ** 25
     # set-up (init.py): the weights as they train (bf16), + one full-size fp32 draw of the largest (embeddings, 512 x
     # 64); the training peak is higher
     assert lang["setup"] == 2 * (dense + experts) + 4 * 512 * 64 == 337280 < lang["peak"]
     checkpointed, _ = plan(["--activation-checkpointing"])
     ck = checkpointed["language"]
-    assert ck["activations"] == 2 * 2 * T * D + (block + moe) + head + logits + 2 * received
+    assert ck["activations"] == 2 * 2 * T * D + head + max(block + moe, chunk) + 2 * received   # the larger passes
     # the experts (edp 1) then keep fp32 weights that are their own main weights: 4 + 4 + 8 bytes, not 2 + 4 + 12
     assert (ck["weights"], ck["gradients"]) == (2 * dense + 4 * experts, lang["gradients"])
     assert ck["optimizer"] == 6 * dense + 8 * experts
@@ -88,12 +89,12 @@ def test_language_activations_under_cp_by_hand():
         attn = 2 * T * D + 2 * (T * 4 + 2 * 2 * 96) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4   # K, V: the whole row
         moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64
                + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)
-        logits = 2 * T * 512
-        head = 2 * 2 * T * D + logits + 8 * T
+        logits, weight = 2 * T * 512, 2 * 512 * D
+        head = 2 * 2 * T * D + 2 * weight
         exchange = 2 * 2 * T * 392
         received = 2 * 4 * D   # the mock image's 4 rows, whole on every cp rank, and their gradient
-        want = 3 * block + mamba + attn + moe + head + logits + exchange + 2 * received
-        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 395968, 4: 204640}[cp]
+        want = 3 * block + mamba + attn + moe + head + max(exchange, 2 * logits, logits + weight) + 2 * received
+        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 467776, 4: 338848}[cp]
 
 
 def test_pipeline_stages_by_hand():
@@ -109,9 +110,10 @@ def test_pipeline_stages_by_hand():
     block = 2 * T * D + 4 * T
     act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 178560, "*": 75648,
            "-": block + 2 * T * D + 2 * 2 * T * 64}             # E and *: test_language_rank_by_hand's
-    out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), the logits
+    out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), a chunk's logits
     received = 2 * 4 * D   # the first stage's image rows from the bridge (kept), their gradient (passing)
-    head = 2 * 2 * T * D + logits + 8 * T    # norm_f and lm_head inputs, logits, lse
+    head = 2 * 2 * T * D + 4 * 512 * D       # norm_f's input, d(loss)/dh, d(loss)/dW in fp32
+    chunk = max(2 * logits, logits + 2 * 512 * D)   # the head's forward: a chunk's logits and their gradient
 
     def rows(argv):
         cfg = cli.config_of(["--preset", "tiny", "--vision-dp", "1", *argv])
@@ -123,13 +125,13 @@ def test_pipeline_stages_by_hand():
     params = [(V + M + E + M + A, experts), (E + M + F + E + 64 + V, 2 * experts)]   # (dense, experts); 64: norm_f
     keeps = [act["M"] + act["E"] + act["M"] + act["*"] + out + received,
              act["E"] + act["M"] + act["-"] + act["E"] + head]
-    passing = [out + received, logits]    # the gradient of the outputs and the rows; of the logits
+    passing = [out + received, chunk]    # the gradient of the outputs and the rows; the head's chunk
     for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, passing)):
         r, n = pp2[f"language pp{s}"], dense + exp   # dp 2, edp 2: 2 + 4 + 12 / 2 bytes a parameter
         assert (r["weights"], r["gradients"], r["optimizer"]) == (2 * n, 4 * n, 6 * n)
         assert r["setup"] == r["weights"] + 4 * 512 * 64
         assert r["activations"] == (2 - s) * kept + gone
-    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1098240, 766464]
+    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1098240, 896768]
     assert pp2["vision"]["activations"] == 3 * vision
 
     pp4, vision, lay = rows(["--lm-dp", "1", "--lm-pp", "4"])
@@ -137,11 +139,11 @@ def test_pipeline_stages_by_hand():
     params = [(V + M + E, experts), (M + A, 0), (E + M, experts), (F + E + 64 + V, experts)]
     keeps = [act["M"] + act["E"] + out + received, act["M"] + act["*"] + out, act["E"] + act["M"] + out,
              act["-"] + act["E"] + head]
-    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, [out + received, out, out, logits])):
+    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, [out + received, out, out, chunk])):
         r = pp4[f"language pp{s}"]   # dp 1, edp 1: 2 + 4 + 12 bytes
         assert (r["weights"], r["optimizer"]) == (2 * (dense + exp), 12 * (dense + exp))
         assert r["activations"] == (4 - s) * kept + gone
-    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1329664, 689664, 669696, 450048]
+    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1329664, 689664, 669696, 580352]
     assert pp4["vision"]["activations"] == 5 * vision
 
 
@@ -153,13 +155,14 @@ def test_colocated_pipeline_stage_holds_the_tower_too():
     lay = layout.plan(cfg, 2)
     rows, V = memory.plan(cfg, lay), memory.vision_activation_bytes(cfg, lay)
     assert lay.kind == "own lanes" and lay.num_microbatches == 4 and list(rows) == ["language pp0", "language pp1"]
-    kept = [2 * 542208, 2 * 668160]   # test_pipeline_stages_by_hand's stages at twice the tokens
+    dW = 4 * 512 * 64   # the head's d(loss)/dW (fp32), the one term of the last stage's that the tokens do not scale
+    kept = [2 * 542208, 2 * (700160 - dW) + dW]   # test_pipeline_stages_by_hand's stages at twice the tokens
     assert [memory.language_activation_bytes(cfg, lay, s) for s in (0, 1)] == [(kept[0], 2 * 2 * 96 * 64),
-                                                                            (kept[1], 2 * 2 * 96 * 512)]
+                                                                            (kept[1], 2 * 2 * 192 * 512)]
     received = 2 * 2 * 4 * 64   # stage 0's image rows of 2 samples from the tower's lanes, and their gradient
     assert rows["language pp0"]["activations"] == max(3 * V + kept[0] + received,
                                                       2 * V + 2 * (kept[0] + received) + 24576 + received) == 2206720
-    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 196608) == 1543168
+    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 2 * 2 * 192 * 512) == 1672704
     for s, r in enumerate(rows.values()):
         alone = memory.parameter_bytes(cfg, lay, True, s)
         assert r["weights"] == alone["vision"]["weights"] + alone["language"]["weights"]
@@ -359,4 +362,4 @@ def test_a_layer_kind_the_plan_does_not_know_is_estimated():
                         micro_batch=1, global_batch=8)
     new = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*GM-E"), lay)["language"]
     moe = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*EM-E"), lay)["language"]
-    assert new["activations"] == moe["activations"] == 1301504
+    assert new["activations"] == moe["activations"] == 1431808

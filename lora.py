@@ -86,7 +86,7 @@ def weight(lin):
     runs the GEMM itself (model.head_loss) and so bypasses add_adapter."""
     if not hasattr(lin, "lora_A"):
         return lin.weight
-    return lin.weight + (lin.lora_B @ lin.lora_A) * lin.lora_scale
+    return torch.addmm(lin.weight, lin.lora_B, lin.lora_A, alpha=lin.lora_scale)   # one [out, in] tensor made
 
 
 def merge(state_dict, alpha):

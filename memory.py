@@ -272,7 +272,7 @@ def required(rows):
     """The memory per rank a plan (plan()'s rows, or some of them) needs: its training peak may use 92 % of a rank's
     memory (the plan runs 1-2 % above measured peaks, bench/memory_check.py: about 90 % is really used, the rest is
     the allocator's), its set-up peak 95 % (a few large allocations, little fragmentation). An "80 GB" H100 has
-    79.2 GiB: nano on 8 of them plans 71.3 GiB, 90.0 % of it."""
+    79.2 GiB: nano on 8 of them plans 70.0 GiB, 88.4 % of it."""
     return max(r[key] / share for r in rows.values() for key, share, _ in LIMITS)
 
 

@@ -222,7 +222,7 @@ def assert_near(got, want, rel=1e-6):
     assert (got - want).norm() <= rel * want.norm(), ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("chunk", [4096, 37, 16, 5])   # one chunk; 3 of 37, 5 of 16 and 13 of 5: the last ragged
+@pytest.mark.parametrize("chunk", [4096, 37, 16, 5])   # one chunk of the 61 tokens; 2, 4 and 13, the last ragged
 def test_head_loss_equals_full_logits(monkeypatch, chunk):
     """head_loss (its gradients computed chunk by chunk in the forward) equals the full logits' cross-entropy: the
     loss, d/dh and d/dw, ignored labels (-100) included, under an upstream gradient other than 1."""
@@ -243,12 +243,11 @@ def test_head_loss_equals_full_logits(monkeypatch, chunk):
 
 
 def test_head_loss_frozen_or_adapted_weight(monkeypatch):
-    """A frozen head weight gets no gradient (and costs no d/dw) while the hidden states do; a LoRA adapter on the
-    head (folded into its weight, lora.weight) trains as the adapter applied to the logits would (lm.logits)."""
+    """A frozen head weight gets no gradient while the hidden states do; a LoRA adapter on the head (folded into its
+    weight, lora.weight) trains as the adapter applied to the logits would (lm.logits)."""
     monkeypatch.setattr(model, "CE_CHUNK", 16)
     cfg, lm = tiny_lm()
     lm.requires_grad_(False)
-    lm.lm_head.weight.requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     hidden, t = torch.randn(2, 20, cfg.hidden_size, generator=g), torch.randint(0, cfg.vocab_size, (2, 20), generator=g)
     hidden.requires_grad_()

@@ -345,8 +345,10 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors   # scaled in place: a second backward fails on their version
-        return (None if grad_h is None else grad_h.mul_(grad),
-                None if grad_w is None else grad_w.mul_(grad).to(ctx.w_dtype), None, None)
+        if grad_w is not None:   # scaled and cast in one pass over the fp32 sum
+            out = grad_w if grad_w.dtype == ctx.w_dtype else torch.empty_like(grad_w, dtype=ctx.w_dtype)
+            grad_w = torch.mul(grad_w, grad, out=out)
+        return None if grad_h is None else grad_h.mul_(grad), grad_w, None, None
 
 
 def _head_pass(h_ND, w_VD, targets_N, group, grad_h, grad_w):

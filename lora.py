@@ -83,14 +83,6 @@ def add_adapter(lin, inputs, out):
     return out + F.linear(F.linear(inputs[0], lin.lora_A), lin.lora_B) * lin.lora_scale
 
 
-def weight(lin):
-    """An nn.Linear's weight with its adapter folded in, W + scale B A (differentiable in each): for a caller that
-    runs the GEMM itself (model.head_loss) and so bypasses add_adapter."""
-    if not hasattr(lin, "lora_A"):
-        return lin.weight
-    return torch.addmm(lin.weight, lin.lora_B, lin.lora_A, alpha=lin.lora_scale)   # one [out, in] tensor made
-
-
 def merge(state_dict, alpha):
     """{full name: full tensor} with adapters -> the same without them, each folded into its weight."""
     out = {k: v for k, v in state_dict.items() if "lora_" not in k}

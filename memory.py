@@ -68,10 +68,8 @@ def sizing_model(cfg):
 def parameter_counts(cfg):
     """({"vision": {(expert, etp-sharded, tp-sharded, trained): parameters}, "language": [(place, that group,
     parameters)] a parameter each, place: its decoder layer, -1 for the embedding, the layer count for the rest
-    (norm_f, lm_head, MTP)}, whether the tower trains: model.tower_trains, (whether the LM head's weight as
-    model.head_loss takes it gets a gradient: it trains or carries a LoRA adapter, whether it carries one)) of the
-    whole sizing model: all a layout's plan needs of the model. Cached: the layout chooser plans dozens of layouts of
-    one cfg."""
+    (norm_f, lm_head, MTP)}, whether the tower trains: model.tower_trains) of the whole sizing model: all a layout's
+    plan needs of the model. Cached: the layout chooser plans dozens of layouts of one cfg."""
     modules, n = sizing_model(cfg), len(cfg.hybrid_override_pattern)
     counts = {"vision": {}, "language": []}
     for kind, module in modules.items():
@@ -84,8 +82,7 @@ def parameter_counts(cfg):
                 place = (int(name.split(".")[2]) if name.startswith("backbone.layers.") else
                          -1 if name.startswith("backbone.embeddings.") else n)
                 counts[kind].append((place, g, p.numel()))
-    head, adapted = modules["language"].lm_head, hasattr(modules["language"].lm_head, "lora_A")
-    return counts, model.tower_trains(modules["vision"]), (head.weight.requires_grad or adapted, adapted)
+    return counts, model.tower_trains(modules["vision"])
 
 
 @config.per_config
@@ -142,12 +139,11 @@ def parameter_bytes(cfg, lay, cuda=True, stage=0):
 
 def language_activation_bytes(cfg, lay, stage=0):
     """(kept, passing): bytes one micro-batch of one language rank (of pipeline stage `stage`) keeps from its
-    forward to its backward, and bytes alive for a while on top: on the last stage the head's chunk in its forward
-    (model.head_loss), or else while a backward runs (a layer's recompute, cp's exchange buffers, the gradient of a
-    stage's outputs), whichever is larger. Under context parallelism a rank holds T / cp tokens, except for
-    attention's gathered whole-row K and V, and the largest exchange's send and receive buffers (cp.py). A stage
-    but the last keeps the outputs it sent on (pipeline.py) and receives their gradient; with MTP the decoder input
-    travels beside them, kept by every stage but the first (there it is the first layer's input)."""
+    forward to its backward, and bytes alive only while a backward runs (a layer's recompute, the logits' gradient,
+    cp's exchange buffers, the gradient of a stage's outputs). Under context parallelism a rank holds T / cp tokens,
+    except for attention's gathered whole-row K and V, and the largest exchange's send and receive buffers (cp.py).
+    A stage but the last keeps the outputs it sent on (pipeline.py) and receives their gradient; with MTP the
+    decoder input travels beside them, kept by every stage but the first (there it is the first layer's input)."""
     cp, checkpointing = lay.lm_cp, cfg.activation_checkpointing
     T, D, tp = lay.micro_batch * cfg.seq_len // cp, cfg.hidden_size, lay.lm_tp
     block = 2 * T * D + 4 * T                                   # the norm's input (the residual) and rstd
@@ -164,16 +160,12 @@ def language_activation_bytes(cfg, lay, stage=0):
     stream = 2 * T * D * (1 + (mtp > 0))   # what a stage sends on: the residual stream (and the decoder input)
     if not last:
         return kept + 2 * T * D + 2 * T * D * (mtp > 0 and not first), recompute + stream + exchange
-    grads, adapted = parameter_counts(cfg)[2]
-    weight = 2 * cfg.vocab_size * D / tp                         # the head's weight shard, bf16
-    logits = 2 * min(model.CE_CHUNK, T) * cfg.vocab_size / tp    # one chunk's (model.head_loss)
-    # each loss (the model's, each MTP depth's) holds to its backward norm_f's input, d(loss)/dh (bf16) and, where
-    # the weight gets a gradient, d(loss)/dW (fp32); in its forward, a chunk's logits with their gradient, then that
-    # gradient with its chunk's d/dW (bf16), beside an adapted head's folded weight (lora.weight)
-    head = 2 * T * D + 2 * T * D + 2 * weight * grads
-    chunk = max(2 * logits, logits + weight * grads) + weight * adapted
+    chunked = checkpointing and T > model.CE_CHUNK       # model.loss_sum's chunks
+    logits = 2 * (model.CE_CHUNK if chunked else T) * cfg.vocab_size / tp
+    head = 2 * 2 * T * D + (0 if chunked else logits + 8 * T)   # norm_f and lm_head inputs (logits, lse: unchunked)
+    # + the logits' gradient at backward (chunked: with the recomputed chunk's logits)
     return (kept + (1 + depths) * head + depths * 2 * T * 3 * D + 2 * T * D * (mtp > 0 and not first),
-            max(recompute + exchange, chunk))
+            recompute + (2 if chunked else 1) * logits + exchange)
 
 
 def vision_items(cfg):
@@ -300,7 +292,7 @@ def required(rows):
     """The memory per rank a plan (plan()'s rows, or some of them) needs: its training peak may use 92 % of a rank's
     memory (the plan runs 1-2 % above measured peaks, bench/memory_check.py: about 90 % is really used, the rest is
     the allocator's), its set-up peak 95 % (a few large allocations, little fragmentation). An "80 GB" H100 has
-    79.2 GiB: nano on 8 of them plans 70.0 GiB, 88.4 % of it."""
+    79.2 GiB: nano on 8 of them plans 71.3 GiB, 90.0 % of it."""
     return max(r[key] / share for r in rows.values() for key, share, _ in LIMITS)
 
 

@@ -29,15 +29,13 @@ import comm
 import config
 import cp
 import fused
-import lora
 import mamba
 import moe
 from fused import RMSNorm
 from mamba import Mamba2Mixer
 from moe import MLP, MoE
 
-CE_CHUNK = 2048   # tokens of one chunk of the head and loss (head_loss): the 20l's chunk logits 0.5 GiB, 4 chunks
-                  # of an 8192-token row (each more costs one pass over the fp32 d(loss)/dW)
+CE_CHUNK = 8192   # tokens a head + cross-entropy chunk holds under activation checkpointing (loss_sum)
 SEED = 20000   # the language model's weights are drawn from cfg.seed + SEED (train.py: seeds)
 
 
@@ -274,11 +272,19 @@ class LanguageModel(nn.Module):
         return self.lm_head(comm.copy_to(hidden, self.tp_group))
 
     def loss_sum(self, hidden, labels):
-        """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation):
-        head_loss, which never holds more than one chunk's logits."""
+        """Sum of token cross-entropies over labels != -100, and their count (for per-token normalisation).
+        Under activation checkpointing the head and loss run CE_CHUNK tokens at a time, each chunk's logits
+        recomputed in backward: the logits of a long row (65536 x 131072 x 2 bytes = 16 GiB, and their gradient)
+        are never alive at once, one chunk's are."""
         count = (labels != -100).sum()
-        h_ND = comm.copy_to(hidden.flatten(0, 1), self.tp_group)   # its backward sums d(loss)/dh over tp
-        return head_loss(h_ND, lora.weight(self.lm_head), labels.flatten(), self.tp_group), count
+        h_ND, t_N = hidden.flatten(0, 1), labels.flatten()
+        if not (self.checkpoint_layers and torch.is_grad_enabled()) or len(t_N) <= CE_CHUNK:
+            return self._chunk_loss(h_ND, t_N), count
+        return sum(torch.utils.checkpoint.checkpoint(self._chunk_loss, h, t, use_reentrant=False)
+                   for h, t in zip(h_ND.split(CE_CHUNK), t_N.split(CE_CHUNK))), count
+
+    def _chunk_loss(self, h_ND, t_N):
+        return vocab_parallel_cross_entropy(self.logits(h_ND), t_N, self.tp_group).sum()
 
 
 class MTP(nn.Module):
@@ -315,76 +321,38 @@ def mtp_labels(labels_BL, seq_idx_BL, k):
     return out
 
 
-def head_loss(h_ND, w_VD, targets_N, group=None):
-    """Sum over targets != -100 of the token cross-entropies of the logits h @ w^T, the vocab split over `group` (w:
-    this rank's rows; h: every rank's same hidden states), CE_CHUNK tokens at a time: no rank holds the full-vocab
-    logits, nor more than one chunk's of its shard. Where a gradient is asked for, the forward computes it too
-    (_HeadLoss). Under autocast the GEMMs run in its dtype, as nn.Linear's would."""
-    device = h_ND.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        h_ND, w_VD = h_ND.to(dtype), w_VD.to(dtype)
-    if torch.is_grad_enabled() and (h_ND.requires_grad or w_VD.requires_grad):
-        return _HeadLoss.apply(h_ND, w_VD, targets_N, group)
-    return _head_pass(h_ND, w_VD, targets_N, group, False, False)[0]
+def vocab_parallel_cross_entropy(logits_NV, targets_N, group=None):
+    """Per-token CE over a vocab split across `group`; no rank ever holds the full logits. -100 -> loss 0."""
+    return _VocabParallelCE.apply(logits_NV, targets_N, group)
 
 
-class _HeadLoss(torch.autograd.Function):
-    """head_loss with its gradients computed in the forward, chunk by chunk: the forward runs the three GEMMs a
-    forward and backward of the head would, and nothing is recomputed. No logits are kept; held from the forward
-    to the backward instead: d(loss)/dh [N, D] in h's dtype and d(loss)/dw [V / tp, D] in fp32 (memory.py counts
-    both). The backward scales them by the loss's incoming gradient."""
+class _VocabParallelCE(torch.autograd.Function):
+    """Softmax cross-entropy on a vocab shard with no fp32 copy of the logits: forward keeps one logsumexp per
+    row (over all shards, combined from each shard's own), backward rebuilds the softmax from the logits in the
+    same single pass that writes the gradient (fused.cross_entropy_grad)."""
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, targets_N, group):
-        loss, grad_h, grad_w = _head_pass(h_ND, w_VD, targets_N, group, *ctx.needs_input_grad[:2])
-        ctx.w_dtype = w_VD.dtype
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors   # scaled in place: a second backward fails on their version
-        if grad_w is not None:   # scaled and cast in one pass over the fp32 sum
-            out = grad_w if grad_w.dtype == ctx.w_dtype else torch.empty_like(grad_w, dtype=ctx.w_dtype)
-            grad_w = torch.mul(grad_w, grad, out=out)
-        return None if grad_h is None else grad_h.mul_(grad), grad_w, None, None
-
-
-def _head_pass(h_ND, w_VD, targets_N, group, grad_h, grad_w):
-    """(loss sum, d(loss sum)/dh or None, d(loss sum)/dw in fp32 or None) of head_loss, CE_CHUNK tokens at a time.
-    Per chunk: this shard's logits, the logsumexp over all shards combined from each shard's own (one MAX and one
-    SUM all-reduce over `group`), then d(loss)/d(logits) = (softmax - onehot) on the valid rows, rebuilt from the
-    logits in one pass (fused.cross_entropy_grad), and its two GEMMs. d(loss)/dh is this shard's part (the caller's
-    comm.copy_to sums it over the group); d(loss)/dw sums the chunks in fp32, as a gradient buffer would."""
-    V, rank, ranks = w_VD.shape[0], comm.group_rank(group), comm.group_size(group)
-    loss, dh_ND, dw_VD = h_ND.new_zeros((), dtype=torch.float32), torch.empty_like(h_ND) if grad_h else None, None
-    for a in range(0, len(targets_N), CE_CHUNK):
-        h, t = h_ND[a:a + CE_CHUNK], targets_N[a:a + CE_CHUNK]
-        logits = h @ w_VD.T
-        local_t = t - V * rank
+    def forward(ctx, logits_NV, targets_N, group):
+        V = logits_NV.shape[-1]
+        local_t = targets_N - V * comm.group_rank(group)
         inside = (local_t >= 0) & (local_t < V)
         local_t = local_t.clamp(0, V - 1)
-        lse, target_logit = fused.logsumexp_and_pick(logits, local_t)
+        lse, target_logit = fused.logsumexp_and_pick(logits_NV, local_t)
         target_logit = target_logit * inside
-        if ranks > 1:   # logsumexp of the shards' logsumexps, shifted by the largest
+        if comm.group_size(group) > 1:  # logsumexp of the shards' logsumexps, shifted by the largest
             top = lse.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             sums = torch.stack([torch.exp(lse - top), target_logit])   # one SUM for both
             dist.all_reduce(sums, group=group)
             lse, target_logit = top + torch.log(sums[0]), sums[1]
-        valid = t != -100
-        loss += ((lse - target_logit) * valid).sum()
-        if not (grad_h or grad_w):
-            continue
-        dlogits = fused.cross_entropy_grad(logits, lse, local_t, inside & valid, valid.float())
-        del logits   # freed before the chunk's d/dw: at most two [chunk, V / tp] tensors at once
-        if grad_h:
-            torch.mm(dlogits, w_VD, out=dh_ND[a:a + CE_CHUNK])
-        if grad_w:
-            dw = dlogits.T @ h
-            dw_VD = dw.float() if dw_VD is None else dw_VD.add_(dw)
-    return loss, dh_ND, dw_VD
+        valid = targets_N != -100
+        ctx.save_for_backward(logits_NV, lse, local_t, inside & valid, valid)
+        return (lse - target_logit) * valid
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        logits_NV, lse, local_t, hit, valid = ctx.saved_tensors
+        return fused.cross_entropy_grad(logits_NV, lse, local_t, hit, grad_N * valid), None, None
 
 
 def place_images(h_BMD, input_ids, image_rows, rows_per_sample, image_token_id, cp_rank=0, cp_size=1):

@@ -45,26 +45,25 @@ def peak(rows):
 def test_nano_on_8_and_16_ranks():
     cfg = config.resolve("nano")
     assert cfg.activation_checkpointing and "nano" not in config.REFERENCE_LAYOUTS
-    lay, rows, said = choose(cfg, 8)   # the tower on its own lanes at tp 1, a micro-batch of 2 split over them
-    assert dims(lay) == (True, 1, 8, 2, 4, 8, 1, 1) and lay.micro_batch == 2 and lay.lm_edp == 1
-    assert peak(rows) == 73.38 and rows["vision"] == rows["language"]
-    assert "planned peak 73.4 GiB per rank of 80.0 GiB" in said and "of the 28 layouts that fit" in said
-    # those that fit: experts over ep x etp (the same expert bytes a rank), or the tower at tp 1, 4 or 8 on its own
-    # lanes; with cp 2 or 4 in place of dp 8 more, but cp is weighed only where nothing without it fits; and 16
-    # pipelines of 2 or 4 stages on their own lanes, predicted slower
+    lay, rows, said = choose(cfg, 8)
+    assert dims(lay) == (True, 2, 4, 2, 4, 8, 1, 1) and lay.lm_edp == 1
+    assert peak(rows) == 71.09 and rows["vision"] == rows["language"]     # within 92 % of 79.2 GiB (an H100)
+    assert "planned peak 71.1 GiB per rank of 80.0 GiB" in said and "of the 30 layouts that fit" in said
+    # those that fit: experts over ep x etp (the same expert bytes a rank), or the tower at tp 4 or 8 on its own lanes;
+    # with cp 2 or 4 in place of dp 8 more, but cp is weighed only where nothing without it fits; and 19 pipelines
+    # of 2 or 4 stages on their own lanes, predicted slower
     fitting = [c for c in map(lambda c: chooser.fit_split(cfg, c, H100), chooser.candidates(cfg, 8))
                if memory.fits(memory.plan(cfg, c), H100) is None]
     assert sorted((c.kind, c.vision_tp, c.lm_tp, c.lm_ep, c.lm_etp) for c in fitting if c.lm_cp == c.lm_pp == 1) == [
         ("in place", 2, 2, 1, 8), ("in place", 2, 2, 2, 4), ("in place", 2, 2, 4, 2), ("in place", 2, 2, 8, 1),
-        ("own lanes", 1, 2, 8, 1), ("own lanes", 4, 2, 1, 8), ("own lanes", 4, 2, 2, 4), ("own lanes", 4, 2, 4, 2),
-        ("own lanes", 4, 2, 8, 1), ("own lanes", 8, 2, 2, 4), ("own lanes", 8, 2, 4, 2), ("own lanes", 8, 2, 8, 1)]
-    assert len(fitting) == 36 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
-    assert sum(bool(c.lm_split) for c in fitting) == 5   # five fit only with layers moved off the first stage
+        ("own lanes", 4, 2, 1, 8), ("own lanes", 4, 2, 2, 4), ("own lanes", 4, 2, 4, 2), ("own lanes", 4, 2, 8, 1),
+        ("own lanes", 8, 2, 2, 4), ("own lanes", 8, 2, 4, 2), ("own lanes", 8, 2, 8, 1)]
+    assert len(fitting) == 38 and sorted({c.lm_cp for c in fitting}) == [1, 2, 4]
+    assert sum(bool(c.lm_split) for c in fitting) == 3   # three fit only with layers moved off the first stage
     assert sorted({(c.kind, c.lm_pp) for c in fitting if c.lm_pp > 1}) == [("own lanes", 2), ("own lanes", 4)]
-    lay, rows, _ = choose(cfg, 8, capacity=79.21 * GIB)   # an "80 GB" H100's total_memory: that pick is over its
-    assert dims(lay) == (True, 2, 4, 2, 4, 8, 1, 1) and peak(rows) == 70.02   # 92 %, in place at tp 2 is not
+    assert memory.fits(rows, 79.21 * GIB) is None   # an "80 GB" H100's total_memory
     lay, rows, _ = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 1, 8, 8, 1, 1) and lay.lm_pp == 2 and peak(rows) == 41.63   # one micro-batch
+    assert dims(lay) == (True, 2, 8, 1, 8, 8, 1, 1) and lay.lm_pp == 2 and peak(rows) == 41.3   # one micro-batch
     # tp is 1 or 2 only: tp must divide Nano's 2 KV heads; tp 1 needs cp, as its global batch of 8 has 8 lanes at most
     assert sorted({(c.lm_tp, c.lm_cp) for c in chooser.candidates(cfg, 16) if c.in_place}) == [
         (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4)]
@@ -76,9 +75,9 @@ def test_20l_on_8_and_16_ranks():
     cfg = config.resolve("20l")
     assert layout.reference(cfg, 8) in chooser.candidates(cfg, 8)
     lay, rows, said = choose(cfg, 8)
-    assert dims(lay) == (True, 1, 8, 1, 8, 8, 1, 1) and peak(rows) == 49.63 and "of the 254 layouts that fit" in said
+    assert dims(lay) == (True, 1, 8, 1, 8, 8, 1, 1) and peak(rows) == 49.2 and "of the 251 layouts that fit" in said
     lay, rows, said = choose(cfg, 16)
-    assert dims(lay) == (True, 2, 8, 1, 8, 8, 1, 1) and lay.lm_pp == 2 and peak(rows) == 29.71
+    assert dims(lay) == (True, 2, 8, 1, 8, 8, 1, 1) and lay.lm_pp == 2 and peak(rows) == 28.42
 
 
 def test_tiny_on_1_2_4_ranks():
@@ -189,15 +188,15 @@ def test_pipeline_candidates_stay_few():
 @pytest.mark.slow
 def test_super_fits_48_ranks_only_in_pipeline_stages():
     """Super's full fine-tune (stage 2, global batch 64) on 80 GB ranks: nothing fits 32 (the closest, 4 stages on
-    their own lanes, needs 82.7 GiB: the stages split the FLOPs, not the bytes), remedy() names 48, and there only
+    their own lanes, needs 81.6 GiB: the stages split the FLOPs, not the bytes), remedy() names 48, and there only
     pipelines fit: the tower on 8 ranks beside 5 language stages (experts at ep8 x pp5 = 40: edp 1)."""
     cfg = cli.config_of(["--preset", "super", "--global-batch", "64"])
     with pytest.raises(SystemExit) as e:
         chooser.plan(cfg, 32, H100)
-    assert "language 32 (tp2 x cp1 x dp4 x pp4; experts etp1 x ep8 x edp1) needs 82.8 GiB" in str(e.value)
+    assert "language 32 (tp2 x cp1 x dp4 x pp4; experts etp1 x ep8 x edp1) needs 81.6 GiB" in str(e.value)
     assert "48 such ranks would fit" in str(e.value), str(e.value)
     lay, rows, said = choose(cfg, 48)
-    assert lay.brief() == "hetero: vision tp2 dp4 on 8 | language tp2 dp4 ep8 pp5 on 40" and peak(rows) == 67.34
+    assert lay.brief() == "hetero: vision tp2 dp4 on 8 | language tp2 dp4 ep8 pp5 on 40" and peak(rows) == 66.85
     assert list(rows) == ["vision"] + [f"language pp{s}" for s in range(5)]
     fitting = [c for c in chooser.candidates(cfg, 48) if memory.fits(memory.plan(cfg, c), H100) is None]
     assert len(fitting) == 7 and all(c.lm_pp == 5 for c in fitting)
@@ -209,21 +208,21 @@ def test_none_fits_names_the_fix():
         chooser.plan(nano, 4, H100)
     msg = str(e.value)
     assert msg.startswith("no layout of preset nano on 4 ranks fits 80.0 GiB per rank (the closest: colocated layout "
-                          "on 4 ranks: vision 4 (tp2 x cp2 x dp1), language 4 (tp2 x cp2 x dp1 x pp1; experts etp2 x "
-                          "ep2 x edp1) needs 127.0 GiB per rank at its training peak (weights, gradients, optimizer "
+                          "on 4 ranks: vision 4 (tp2 x cp2 x dp1), language 4 (tp2 x cp2 x dp1 x pp1; experts etp1 x "
+                          "ep4 x edp1) needs 127.0 GiB per rank at its training peak (weights, gradients, optimizer "
                           "state, activations), over the 92 % of the 80.0 GiB a rank has that it may use). "
                           "8 such ranks would fit, or --lora-rank 8 (trains adapters only) would on these 4"), msg
     assert "\n" not in msg and "--dry-run" in msg
     said = []       # the dry run (strict=False): the same line, and the closest layout to show the plan of
     lay = chooser.plan(nano, 4, H100, say=said.append, strict=False)
-    assert said == [msg] and dims(lay) == (True, 2, 1, 2, 1, 2, 2, 2)
+    assert said == [msg] and dims(lay) == (True, 2, 1, 2, 1, 4, 1, 2)
     chooser.plan(dataclasses.replace(nano, lora_rank=8), 4, H100)          # both fixes hold by the same plan
     chooser.plan(nano, 8, H100)
     no_ckpt = dataclasses.replace(nano, activation_checkpointing=False)
     with pytest.raises(SystemExit) as e:
         chooser.plan(no_ckpt, 8, H100)
     msg = str(e.value)
-    assert "on 8 ranks fits 80.0 GiB" in msg and "needs 80.2 GiB per rank" in msg and "tp2 x cp4" in msg, msg
+    assert "on 8 ranks fits 80.0 GiB" in msg and "needs 78.7 GiB per rank" in msg and "tp2 x cp4" in msg, msg
     assert "--activation-checkpointing would fit" in msg and "\n" not in msg, msg
 
 
@@ -234,15 +233,13 @@ def test_given_layout_that_does_not_fit_runs_with_a_warning():
     said = []
     lay = chooser.plan(cfg, 8, H100, say=said.append)
     assert dims(lay) == (True, 2, 4, 2, 4, 4, 1, 1) and len(said) == 1, said
-    assert said[0].startswith("warning: this layout may not fit: colocated layout on 8 ranks") and "needs 97.4 GiB " \
+    assert said[0].startswith("warning: this layout may not fit: colocated layout on 8 ranks") and "needs 98.5 GiB " \
         "per rank at its training peak (weights, gradients, optimizer state, activations), over the 92 % of the 80.0 " \
         "GiB a rank has that it may use. It runs as named; if it runs out of memory: more ranks" in said[0], said
     assert dims(chooser.plan(cfg, 8, H100, strict=False)) == (True, 2, 4, 2, 4, 4, 1, 1)   # the dry run shows it
     assert dims(layout.plan(cfg, 8)) == (True, 2, 4, 2, 4, 4, 1, 1)                       # no capacity: no check
-    ok = cli.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "8", "--vision-tp", "1",
-                        "--micro-batch", "2"])
-    said = []
-    assert chooser.plan(ok, 8, H100, say=said.append) == chooser.plan(config.resolve("nano"), 8, H100) and not said
+    ok = cli.config_of(["--preset", "nano", "--colocated", "--lm-tp", "2", "--lm-ep", "8"])
+    assert chooser.plan(ok, 8, H100) == chooser.plan(config.resolve("nano"), 8, H100)
 
 
 def test_without_capacity_unchanged():
@@ -361,7 +358,8 @@ MEASURED = {   # 20l, 16 experts, stage 3, global batch 8 on 2 x H200 (docs/layo
 def test_the_prediction_reads_the_data(tmp_path):
     """cost.data_stats over 200 records of bench/real_shaped.py's full-size mix, packed: the mean sample's tower in
     place of the mock's 2048² image, each micro-batch's slowest vision lane as lanes.assign places the samples. The
-    layouts measured on real-shaped data, pinned; the mock's predictions unchanged; the dry run says which."""
+    predictions of the layouts measured on real-shaped data (rows packed next-fit then, docs/layouts.md §1), pinned;
+    the mock's predictions unchanged; the dry run says which."""
     import data
     import mock
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -372,10 +370,10 @@ def test_the_prediction_reads_the_data(tmp_path):
     cfg = cli.config_of(real)
     ds = data.build(cfg, data.load_tokenizer(None, cfg), verbose=False)[0]
     stats = cost.data_stats(cfg, ds)
-    assert (stats.samples, round(stats.images, 2), round(stats.patches), round(stats.tokens)) == (256, 2.57, 10751,
-                                                                                                  6441)
+    assert (stats.samples, round(stats.images, 2), round(stats.patches), round(stats.tokens)) == (256, 3.11, 12978,
+                                                                                                  7815)
     assert cost.data_stats(cfg, mock.MockData(cfg, 0)) is None
-    assert cost.basis(cfg, stats) == (f"--data {path}: 256 samples read, a sample 2.57 images, 10751 patches, 6441 "
+    assert cost.basis(cfg, stats) == (f"--data {path}: 256 samples read, a sample 3.11 images, 12978 patches, 7815 "
                                       "tokens (means)") and cost.basis(cfg) == "the mock's 2048 px square image"
     got = {}
     for name, (flags, world, mocked) in MEASURED.items():
@@ -383,8 +381,8 @@ def test_the_prediction_reads_the_data(tmp_path):
         got[name] = round(cost.step_seconds(cli.config_of(real + flags), lay, stats=stats)["step"], 2)
         if mocked:
             assert round(cost.step_seconds(cli.config_of(base + flags), lay)["step"], 2) == mocked
-    assert got == {"one GPU": 4.35, "hetero": 3.04, "own lanes": 2.75, "pipeline": 3.07, "cp2": 3.78,
-                   "in place tp2": 3.26}
+    assert got == {"one GPU": 4.87, "hetero": 3.47, "own lanes": 3.05, "pipeline": 3.45, "cp2": 4.30,
+                   "in place tp2": 3.64}
     # one vision lane: each micro-batch's tower its own sample's, their mean the mean sample's; two: the slower's
     hetero = layout.plan(cli.config_of(real + MEASURED["hetero"][0]), 2)
     shares = cost.slowest(stats, hetero)
@@ -392,6 +390,6 @@ def test_the_prediction_reads_the_data(tmp_path):
     shares = cost.slowest(stats, layout.plan(cli.config_of(real + MEASURED["own lanes"][0]), 2))
     assert len(shares) == 128 and round(sum(shares) / 128, 2) == 1.14   # the slower of two lanes: 14 % above
     said = []   # the chooser's pick at 80 GiB, and what its prediction read
-    lay = chooser.plan(cfg, 2, H100, say=said.append, load=data.tower_load(ds, cfg), stats=stats)
+    lay = chooser.plan(cfg, 2, H100, say=said.append, load=memory.tower_load(ds, cfg), stats=stats)
     assert lay.brief() == "in place: tp2" and f"s a step for {cost.basis(cfg, stats)}" in said[0], said
     assert len(stats.slow) == 3   # the lane shapes weighed: one in place, one lane a side, two vision lanes beside one

@@ -49,24 +49,23 @@ def test_language_rank_by_hand():
     T, D = 96, 64
     block = 2 * T * D + 4 * T                                           # residual into the norm, rstd
     attn = 2 * T * D + 2 * T * (4 + 2 * 2) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4
-    moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64      # input, fp32 router input, scores, shared
-           + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)   # routed rows in/out + up/act, combined
-    logits, weight = 2 * T * 512, 2 * 512 * D   # one chunk's logits (all 96 tokens), the head's weight (bf16)
-    head = 2 * 2 * T * D + 2 * weight           # norm_f's input, d(loss)/dh; d(loss)/dW in fp32 (model.head_loss)
-    chunk = max(2 * logits, logits + weight)    # in the head's forward: logits and their gradient, or it and d/dW
-    assert (block + attn, block + moe, head, chunk) == (75648, 178560, 155648, 196608)
+    moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * T * 64          # input, fp32 router input, scores, shared
+           + 2 * (T * 2) * (2 * D + 32) + 2 * T * D + 2 * T * D)       # routed rows in/out + up, combined
+    logits = 2 * T * 512
+    head = 2 * 2 * T * D + logits + 8 * T
+    assert (block + attn, block + moe) == (75648, 153984)
     # the mock's 64 x 64 image: 16 patches, 4 image rows after the 2 x 2 pixel shuffle, which the bridge hands over
     # and whose gradient returns
     received = 2 * 1 * 4 * D
-    assert lang["activations"] == (block + attn) + (block + moe) + head + chunk + 2 * received == 606464 + 1024
+    assert lang["activations"] == (block + attn) + (block + moe) + head + logits + 2 * received == 451584 + 1024
     assert lang["workspace"] == 2 * 2 ** 25
-    assert lang["peak"] == 206208 + 412416 + 716928 + 606464 + 1024 + 2 * 2 ** 25
+    assert lang["peak"] == 206208 + 412416 + 716928 + 451584 + 1024 + 2 * 2 ** 25
     # set-up (init.py): the weights as they train (bf16), + one full-size fp32 draw of the largest (embeddings, 512 x
     # 64); the training peak is higher
     assert lang["setup"] == 2 * (dense + experts) + 4 * 512 * 64 == 337280 < lang["peak"]
     checkpointed, _ = plan(["--activation-checkpointing"])
     ck = checkpointed["language"]
-    assert ck["activations"] == 2 * 2 * T * D + head + max(block + moe, chunk) + 2 * received   # the larger passes
+    assert ck["activations"] == 2 * 2 * T * D + (block + moe) + head + logits + 2 * received
     # the experts (edp 1) then keep fp32 weights that are their own main weights: 4 + 4 + 8 bytes, not 2 + 4 + 12
     assert (ck["weights"], ck["gradients"]) == (2 * dense + 4 * experts, lang["gradients"])
     assert ck["optimizer"] == 6 * dense + 8 * experts
@@ -87,14 +86,14 @@ def test_language_activations_under_cp_by_hand():
         block = 2 * T * D + 4 * T
         mamba = 2 * T * D + 2 * T * (2 * 128 + 2 * 64 + 8) + 2 * 2 * T * 128 + 4 * T * 4
         attn = 2 * T * D + 2 * (T * 4 + 2 * 2 * 96) * 16 + 2 * 2 * T * 4 * 16 + 4 * T * 4   # K, V: the whole row
-        moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * 2 * T * 64
-               + 2 * (T * 2) * (2 * D + 2 * 32) + 2 * T * D + 2 * T * D)
-        logits, weight = 2 * T * 512, 2 * 512 * D
-        head = 2 * 2 * T * D + 2 * weight
+        moe = (2 * T * D + 4 * T * D + 4 * 2 * T * 8 + 2 * T * 64
+               + 2 * (T * 2) * (2 * D + 32) + 2 * T * D + 2 * T * D)
+        logits = 2 * T * 512
+        head = 2 * 2 * T * D + logits + 8 * T
         exchange = 2 * 2 * T * 392
         received = 2 * 4 * D   # the mock image's 4 rows, whole on every cp rank, and their gradient
-        want = 3 * block + mamba + attn + moe + head + max(exchange, 2 * logits, logits + weight) + 2 * received
-        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 467776, 4: 338848}[cp]
+        want = 3 * block + mamba + attn + moe + head + logits + exchange + 2 * received
+        assert memory.plan(cfg, lay)["language"]["activations"] == want == {2: 383680, 4: 198496}[cp]
 
 
 def test_pipeline_stages_by_hand():
@@ -108,12 +107,11 @@ def test_pipeline_stages_by_hand():
     assert (M, E, A, F) == (30360, 8768, 12352, 8256)
     T, D = 96, 64
     block = 2 * T * D + 4 * T
-    act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 178560, "*": 75648,
-           "-": block + 2 * T * D + 2 * 2 * T * 64}             # E and *: test_language_rank_by_hand's
-    out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), a chunk's logits
+    act = {"M": block + 2 * T * D + 2 * T * 328 + 2 * 2 * T * 128 + 4 * T * 2, "E": 153984, "*": 75648,
+           "-": block + 2 * T * D + 2 * T * 64}             # E and *: test_language_rank_by_hand's
+    out, logits = 2 * T * D, 2 * T * 512     # a stage's output (kept; its gradient comes back), the logits
     received = 2 * 4 * D   # the first stage's image rows from the bridge (kept), their gradient (passing)
-    head = 2 * 2 * T * D + 4 * 512 * D       # norm_f's input, d(loss)/dh, d(loss)/dW in fp32
-    chunk = max(2 * logits, logits + 2 * 512 * D)   # the head's forward: a chunk's logits and their gradient
+    head = 2 * 2 * T * D + logits + 8 * T    # norm_f and lm_head inputs, logits, lse
 
     def rows(argv):
         cfg = cli.config_of(["--preset", "tiny", "--vision-dp", "1", *argv])
@@ -125,13 +123,13 @@ def test_pipeline_stages_by_hand():
     params = [(V + M + E + M + A, experts), (E + M + F + E + 64 + V, 2 * experts)]   # (dense, experts); 64: norm_f
     keeps = [act["M"] + act["E"] + act["M"] + act["*"] + out + received,
              act["E"] + act["M"] + act["-"] + act["E"] + head]
-    passing = [out + received, chunk]    # the gradient of the outputs and the rows; the head's chunk
+    passing = [out + received, logits]    # the gradient of the outputs and the rows; of the logits
     for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, passing)):
         r, n = pp2[f"language pp{s}"], dense + exp   # dp 2, edp 2: 2 + 4 + 12 / 2 bytes a parameter
         assert (r["weights"], r["gradients"], r["optimizer"]) == (2 * n, 4 * n, 6 * n)
         assert r["setup"] == r["weights"] + 4 * 512 * 64
         assert r["activations"] == (2 - s) * kept + gone
-    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1098240, 896768]
+    assert [pp2[f"language pp{s}"]["activations"] for s in (0, 1)] == [1049088, 705024]
     assert pp2["vision"]["activations"] == 3 * vision
 
     pp4, vision, lay = rows(["--lm-dp", "1", "--lm-pp", "4"])
@@ -139,11 +137,11 @@ def test_pipeline_stages_by_hand():
     params = [(V + M + E, experts), (M + A, 0), (E + M, experts), (F + E + 64 + V, experts)]
     keeps = [act["M"] + act["E"] + out + received, act["M"] + act["*"] + out, act["E"] + act["M"] + out,
              act["-"] + act["E"] + head]
-    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, [out + received, out, out, chunk])):
+    for s, ((dense, exp), kept, gone) in enumerate(zip(params, keeps, [out + received, out, out, logits])):
         r = pp4[f"language pp{s}"]   # dp 1, edp 1: 2 + 4 + 12 bytes
         assert (r["weights"], r["optimizer"]) == (2 * (dense + exp), 12 * (dense + exp))
         assert r["activations"] == (4 - s) * kept + gone
-    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1329664, 689664, 669696, 580352]
+    assert [pp4[f"language pp{s}"]["activations"] for s in range(4)] == [1231360, 689664, 620544, 413184]
     assert pp4["vision"]["activations"] == 5 * vision
 
 
@@ -155,14 +153,13 @@ def test_colocated_pipeline_stage_holds_the_tower_too():
     lay = layout.plan(cfg, 2)
     rows, V = memory.plan(cfg, lay), memory.vision_activation_bytes(cfg, lay)
     assert lay.kind == "own lanes" and lay.num_microbatches == 4 and list(rows) == ["language pp0", "language pp1"]
-    dW = 4 * 512 * 64   # the head's d(loss)/dW (fp32), the one term of the last stage's that the tokens do not scale
-    kept = [2 * 542208, 2 * (700160 - dW) + dW]   # test_pipeline_stages_by_hand's stages at twice the tokens
+    kept = [2 * 517632, 2 * 606720]   # test_pipeline_stages_by_hand's stages at twice the tokens
     assert [memory.language_activation_bytes(cfg, lay, s) for s in (0, 1)] == [(kept[0], 2 * 2 * 96 * 64),
-                                                                            (kept[1], 2 * 2 * 192 * 512)]
+                                                                            (kept[1], 2 * 2 * 96 * 512)]
     received = 2 * 2 * 4 * 64   # stage 0's image rows of 2 samples from the tower's lanes, and their gradient
     assert rows["language pp0"]["activations"] == max(3 * V + kept[0] + received,
-                                                      2 * V + 2 * (kept[0] + received) + 24576 + received) == 2206720
-    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 2 * 2 * 192 * 512) == 1672704
+                                                      2 * V + 2 * (kept[0] + received) + 24576 + received) == 2106368
+    assert rows["language pp1"]["activations"] == max(3 * V, 2 * V + kept[1] + 196608) == 1418240
     for s, r in enumerate(rows.values()):
         alone = memory.parameter_bytes(cfg, lay, True, s)
         assert r["weights"] == alone["vision"]["weights"] + alone["language"]["weights"]
@@ -289,7 +286,7 @@ def test_set_up_stays_under_the_training_peak_on_the_presets():
 # ---------------------------------------------------------------- the tower's load from the data
 
 def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
-    """data.tower_load on bench/real_shaped.py's small form: the index counts each document's image placeholders and
+    """memory.tower_load on bench/real_shaped.py's small form: the index counts each document's image placeholders and
     images as its samples hold them; unpacked, the largest document exactly; packed, a bound at or above every row
     of the first epochs (and below seq_len's worth of patches and class tokens); the mock: None (memory knows its
     image). The plan grows with it."""
@@ -311,7 +308,7 @@ def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
         docs = [ds.load(0, d, True) for d in range(len(idx["offsets"]))]
         assert idx["image_tokens"].tolist() == [sum(t == cfg.image_token_id for t in ids) for ids, _, _ in docs]
         assert idx["images"].tolist() == [len(ims) for _, _, ims in docs]
-        most = data.tower_load(ds, cfg)
+        most = memory.tower_load(ds, cfg)
         seen = [tower(ds.sample(i)) for i in range(2 * len(ds))]
         if pack:
             assert all(t <= most[0] and r <= most[1] for t, r in seen)
@@ -323,7 +320,7 @@ def test_the_tower_load_bounds_every_sample_of_real_shaped_data(tmp_path):
         assert memory.vision_tokens(cfg, lay, most)[0] == most[0] and memory.vision_tokens(cfg, lay)[0] == 16 + 2
         assert memory.plan(cfg, lay, load=most)["vision"]["peak"] > memory.plan(cfg, lay)["vision"]["peak"]
     assert loads[True][0] > loads[False][0] and "packed" in loads[True][2]
-    assert data.tower_load(__import__("mock").MockData(cfg, 0), cfg) is None
+    assert memory.tower_load(__import__("mock").MockData(cfg, 0), cfg) is None
 
 
 def test_the_dry_run_plans_the_data_s_largest_sample(tmp_path):
@@ -362,4 +359,4 @@ def test_a_layer_kind_the_plan_does_not_know_is_estimated():
                         micro_batch=1, global_batch=8)
     new = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*GM-E"), lay)["language"]
     moe = memory.plan(dataclasses.replace(tiny, hybrid_override_pattern="MEM*EM-E"), lay)["language"]
-    assert new["activations"] == moe["activations"] == 1431808
+    assert new["activations"] == moe["activations"] == 1214464

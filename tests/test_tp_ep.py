@@ -73,29 +73,3 @@ def test_parallel_language_model_matches_single_device(tp, ep, etp, latent):
     """latent: LatentMoE, the routed experts 24 wide (the projections' tp-partial gradients summed over tp)."""
     losses = run_distributed(_check, 4, tp, ep, etp, latent)
     assert len(set(round(x, 5) for x in losses)) == 1
-
-
-def _head_over_tp(rank, world):
-    """head_loss on this rank's vocab rows against one process's on all of them (the same inputs on every rank)."""
-    g = torch.Generator().manual_seed(0)
-    h, w = torch.randn(45, 16, generator=g), torch.randn(64, 16, generator=g)
-    t = torch.randint(0, 64, (45,), generator=g)
-    t[[3, 30]] = -100
-    out = []
-    for weight, group in ((w, None), (w.chunk(world)[rank], dist.group.WORLD)):
-        h_in, w_in = h.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = model.head_loss(comm.copy_to(h_in, group), w_in, t, group)
-        (loss * 0.37).backward()
-        out.append((loss.detach(), h_in.grad, w_in.grad))
-    (loss_one, gh_one, gw_one), (loss, gh, gw) = out
-    for got, want in ((loss, loss_one), (gh, gh_one), (gw, gw_one.chunk(world)[rank])):
-        assert (got - want).norm() <= 1e-6 * want.norm(), ((got - want).norm() / want.norm()).item()
-    return loss.item()
-
-
-def test_head_loss_over_tp_matches_one_process(monkeypatch):
-    """The vocab-parallel head and loss on 2 ranks (2 all-reduces a chunk; d/dh summed by comm.copy_to's backward)
-    == one process: loss, d/dh and this rank's rows of d/dw, in 4 chunks of 12 tokens (the last ragged)."""
-    monkeypatch.setattr(model, "CE_CHUNK", 12)   # the forked ranks inherit it
-    losses = run_distributed(_head_over_tp, 2)
-    assert losses[0] == losses[1]

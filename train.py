@@ -179,10 +179,10 @@ def setup(cfg, inv, start, device, say):
     run.opt = optim.build(par, run.vision, run.lm, cfg, device)
 
     run.tokenizer, run.train_data = tokenizer, train_data
+    if inv.eval_only and eval_data is None:   # unwrapped: only a training step agrees on load-time failures
+        eval_data = train_data
     if cfg.skip_bad_samples and cfg.data != "mock":  # also load-time failures, agreed by all ranks each step
         run.train_data = failsafe.SkipBad(run.train_data)
-    if inv.eval_only and eval_data is None:
-        eval_data = run.train_data
     own, pixels = lanes.rank_offsets(lay, par)  # this rank's positions in each micro-batch; pixels on vision ranks
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if device.type == "cuda" else 0)
     pin = pixels and device.type == "cuda"   # images pinned ahead, in the loader's thread
@@ -195,7 +195,7 @@ def setup(cfg, inv, start, device, say):
         run.eval_loader = data.Loader(run.eval_set, own, spm, pixels, pin=pin,
                                       order=lanes.Lanes(cfg, run.eval_set, lay, spm, *weigh))
         if inv.eval_only and run.log_rank:
-            what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is run.train_data else
+            what = (f"--data {cfg.data} (no --eval-data given)" if eval_data is train_data else
                     f"--eval-data {cfg.eval_data}" if cfg.eval_data else
                     "the mock task's evaluation set (seed + 1)" if cfg.data == "mock" else
                     f"the held-out --eval-frac {cfg.eval_frac} of --data {cfg.data}")

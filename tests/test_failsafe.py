@@ -377,6 +377,31 @@ def test_image_damaged_after_indexing_is_skipped_on_every_rank(tmp_path, capfd):
     assert out.count("skipped at load time so far") == len(bad) >= 1
 
 
+@pytest.mark.slow
+def test_an_evaluation_does_not_skip_a_bad_sample(tmp_path):
+    """--eval-only on --data under --skip-bad-samples: only the vision rank decodes the damaged image, and an
+    evaluation has no step to agree in, so the run ends with that sample's one line (it used to blank the sample on
+    the vision rank alone, and the language rank waited for image rows that never came)."""
+    for name in ("a", "b", "c"):
+        Image.new("RGB", (64, 48), (9, 9, 9)).save(tmp_path / f"{name}.jpg")
+    lines = [{"messages": [{"role": "user", "content": [{"type": "image", "image": f"{n}.jpg"}]},
+                           {"role": "assistant", "content": f"{n}{n}"}]} for n in ("a", "b", "c")]
+    path = _jsonl(tmp_path / "imgs.jsonl", lines)
+    _build(path, config.resolve("tiny"), seed=1234, skip_bad_samples=True)   # the index, cached: the image was fine
+    raw = (tmp_path / "b.jpg").read_bytes()
+    (tmp_path / "b.jpg").write_bytes(raw[: len(raw) // 2])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          os.path.join(ROOT, "train.py"), *HETERO2, "--data", path, "--skip-bad-samples", "--eval-only",
+                          "--collective-timeout", "30"], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=240)
+    both = out.stdout + out.stderr
+    errors = [line for line in both.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1, both
+    assert errors[0].startswith(f"error: {path}:2: undecodable image {tmp_path}/b.jpg: ") and errors[0].endswith(
+        "Fix the line or pass --skip-bad-samples (a training step's; an evaluation's samples must load)"), both
+
+
 def test_a_blanked_sample_counts_no_real_tokens_and_survives_pinning(tmp_path):
     """A Blank runs as padding tokens (none masked off: the model sees what it saw) and counts as no real token;
     the loader's pinning (CUDA) keeps it a Blank with its reason, which skip_agreed reads."""

@@ -200,5 +200,6 @@ runpy.run_path(os.path.join({ROOT!r}, "train.py"), run_name="__main__")
     both = out.stdout + out.stderr
     errors = [line for line in both.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and errors == ["error: imgs.jsonl:2: undecodable image b.jpg: Truncated File Read. "
-                                              "Fix the line or pass --skip-bad-samples"], both
+                                              "Fix the line or pass --skip-bad-samples (a training step's; an evaluation's "
+                                              "samples must load)"], both
     assert "Connection closed" not in both and f'File "{ROOT}' not in both, both   # torchrun's own report only

@@ -10,7 +10,7 @@ Records (docs/data.md §2; files and record shapes: formats.py): {"messages": [.
 parts (video.py); {"text": "..."}, BOS + text + EOS, all trained; {"input_ids": [...], "loss_mask": [...]}, as is
 (loss_mask[t] = 1 trains token t, default all). Index i -> (source s, its k-th draw) by a greedy weighted schedule;
 unpacked, the k-th draw of s is document perm_{seed,s,epoch}[k mod n_s] (epoch = k // n_s); packed (--pack), it is
-the k-th row of s's permuted document stream cut into windows of PACK_WINDOW documents (within each epoch), each
+the k-th row of s's permuted document stream cut into windows of packing.WINDOW documents (within each epoch), each
 window packed best-fit decreasing (packing.py). Token lengths come from a one-time index of every file, cached
 beside it. A document longer than seq_len: --overlong (docs/data.md §5, formats.truncate).
 """
@@ -432,7 +432,10 @@ class Blend:
         return int(self.source[i]), int(self.draw[i])
 
 
-PACK_WINDOW = 64   # packed rows 96 % full on real-shaped data, next-fit's 79 % (bench/2026-11-28-data-speed.md §1)
+def _remember(cache, key, value, most):   # cache[key] = value, the oldest entries beyond `most` dropped
+    while len(cache) >= most:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 class RealData:
@@ -441,9 +444,10 @@ class RealData:
     def __init__(self, sources, encoder, seed, pack=False, name="train"):
         self.sources, self.enc, self.seed, self.pack, self.cfg = sources, encoder, seed, pack, encoder.cfg
         self.blend = Blend([w for w, _, _ in sources])
-        self.perms, self.windows = {}, {}            # a few recent epochs' permutations, windows' rows
+        # per source its 2 latest epochs' orders, 8 latest windows (a blend draws from each shard in turn)
+        self.perms, self.windows = [{} for _ in sources], [{} for _ in sources]
         self.row_ends = [[0] for _ in sources]      # packed rows of source s: rows up to the end of each window
-        packer = pack and f"{packing.NAME}/{PACK_WINDOW}"   # a run resumed under another packer says so (Loader)
+        packer = pack and f"{packing.NAME}/{packing.WINDOW}"   # a run resumed under another packer says so (Loader)
         self.fingerprint = hashlib.sha256(json.dumps(
             [name, seed, packer, encoder.fingerprint, [(w, os.path.abspath(p), int(idx["offsets"].sum()),
                                                         len(idx["offsets"])) for w, p, idx in sources]]
@@ -454,23 +458,22 @@ class RealData:
 
     def __len__(self):
         """One pass over the data: every document once (unpacked), the rows that pack them all (packed: the rows of
-        each source's first epoch, whose last window holds the epoch's last n mod PACK_WINDOW documents, or a whole
+        each source's first epoch, whose last window holds the epoch's last n mod packing.WINDOW documents, or a whole
         window's); exact for one source, the sum of the sources' counts for a blend."""
         total = 0
         for s, (_, _, idx) in enumerate(self.sources):
             n = len(idx["offsets"])
-            total += self.rows_before(s, -(-n // PACK_WINDOW)) if self.pack else n
+            total += self.rows_before(s, -(-n // packing.WINDOW)) if self.pack else n
         return total
 
     def perm(self, s, epoch):
         """Source s's documents in the order of its stream's epoch `epoch`: a seeded permutation."""
-        if (s, epoch) not in self.perms:
-            if len(self.perms) > 8:
-                self.perms.clear()
+        if epoch not in self.perms[s]:
             key = hashlib.sha256(f"{self.seed}/{s}/{epoch}".encode()).digest()[:8]
             g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-            self.perms[s, epoch] = torch.randperm(len(self.sources[s][2]["offsets"]), generator=g).numpy()
-        return self.perms[s, epoch]
+            perm = torch.randperm(len(self.sources[s][2]["offsets"]), generator=g).numpy()
+            _remember(self.perms[s], epoch, perm.astype(np.int32 if len(perm) < 2 ** 31 else np.int64), 2)
+        return self.perms[s][epoch]
 
     def doc(self, s, position):
         """Document (row in source s's index) at `position` of s's stream."""
@@ -478,17 +481,15 @@ class RealData:
         return int(self.perm(s, position // n)[position % n])
 
     def window(self, s, w):
-        """The packed rows (lists of documents) of window w of source s: an epoch is cut into windows of PACK_WINDOW
+        """The packed rows (lists of documents) of window w of source s: an epoch is cut into windows of packing.WINDOW
         consecutive stream positions, the last one shorter, so no row holds a document twice (memory.tower_load)."""
-        if (s, w) not in self.windows:
-            if len(self.windows) > 64:
-                self.windows.clear()
-            per_epoch = -(-len(self.sources[s][2]["offsets"]) // PACK_WINDOW)
-            first = w % per_epoch * PACK_WINDOW
-            docs = self.perm(s, w // per_epoch)[first:first + PACK_WINDOW]
+        if w not in self.windows[s]:
+            per_epoch = -(-len(self.sources[s][2]["offsets"]) // packing.WINDOW)
+            first = w % per_epoch * packing.WINDOW
+            docs = self.perm(s, w // per_epoch)[first:first + packing.WINDOW]
             rows = packing.best_fit_decreasing(self.sources[s][2]["lengths"][docs].tolist(), self.cfg.seq_len)
-            self.windows[s, w] = [[int(docs[i]) for i in row] for row in rows]
-        return self.windows[s, w]
+            _remember(self.windows[s], w, [[int(docs[i]) for i in row] for row in rows], 8)
+        return self.windows[s][w]
 
     def rows_before(self, s, w):
         """Packed rows of source s before its window w."""

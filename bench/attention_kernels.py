@@ -7,7 +7,7 @@ k, v are views of one qkv GEMM output) checked against flash varlen, and the tim
 
 Image sizes follow bench/real_shaped.py's mix (photos, small images, document pages) through the project's own
 token budget (radio.compute_params, seq_len 8192), packed into rows of 8192 tokens as --pack does (best-fit decreasing
-within windows of data.PACK_WINDOW documents, packing.py): a segment is an image's h*w patches plus its class tokens. Errors are found in child processes (a CUDA error can leave the
+within windows of packing.WINDOW documents, packing.py): a segment is an image's h*w patches plus its class tokens. Errors are found in child processes (a CUDA error can leave the
 context unusable), run with CUDA_LAUNCH_BLOCKING=1 so that an error names its own call; a child that fails is
 restarted at the next case. Prints one JSON line a finding, then a table of times.
 """
@@ -28,7 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import config   # noqa: E402
-import data     # noqa: E402
 import packing  # noqa: E402
 import radio    # noqa: E402
 
@@ -63,7 +62,7 @@ def microbatches(cfg, n, seed):
     rows = []
     while len(rows) < n:
         segs, tokens = [], []
-        for _ in range(data.PACK_WINDOW):
+        for _ in range(packing.WINDOW):
             text = int(min(rng.lognormvariate(5.3, 0.9), 9000))
             grids = radio.compute_params(image_sizes(rng), max(cfg.seq_len - text, 0), cfg.min_num_patches,
                                          cfg.max_num_patches, cfg.vit_patch)

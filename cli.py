@@ -169,7 +169,8 @@ def user_error(e, rank):
         return e.code if isinstance(e.code, str) else None
     if isinstance(e, data.BadSample):   # a DataLoader worker's carries the worker's traceback: its last line says it
         bad_line = re.sub(r"^[\w.]*BadSample: ", "", str(e).strip().splitlines()[-1])
-        return f"{bad_line}. Fix the line or pass --skip-bad-samples (a training step's; an evaluation's samples must load)"
+        return (f"{bad_line}. Fix the line or pass --skip-bad-samples (a training step's; an evaluation's samples "
+                "must load)")
     return failsafe.peer_gone(e, rank) if isinstance(e, RuntimeError) else None
 
 

@@ -1,8 +1,8 @@
 """LoRA (docs/memory.md §3): W x + (alpha / r) * B (A x) with W frozen; the adapters shard like their frozen weight,
 so any tp / ep layout computes the one-device function. Routed experts get one adapter pair per expert, applied
 inside the grouped GEMM (moe.expert_ffn); a down projection after a squared ReLU has its A applied inside
-moe.relu2_down, which recomputes the squared ReLU A reads. Every other parameter is frozen, the routers' expert biases too, so the
-adapters alone (hf_peft.py) reproduce the run on the released weights.
+moe.relu2_down, which recomputes the squared ReLU A reads. Every other parameter is frozen, the routers' expert
+biases too, so the adapters alone (hf_peft.py) reproduce the run on the released weights.
 """
 import math
 import re

@@ -6,9 +6,9 @@ k, v are views of one qkv GEMM output) checked against flash varlen, and the tim
     python bench/attention_kernels.py --train LAYOUT [train.py flags]   # train with radio.packed_attention replaced
 
 Image sizes follow bench/real_shaped.py's mix (photos, small images, document pages) through the project's own
-token budget (radio.compute_params, seq_len 8192), packed into rows of 8192 tokens as --pack does (best-fit decreasing
-within windows of packing.WINDOW documents, packing.py): a segment is an image's h*w patches plus its class tokens. Errors are found in child processes (a CUDA error can leave the
-context unusable), run with CUDA_LAUNCH_BLOCKING=1 so that an error names its own call; a child that fails is
+token budget (radio.compute_params, seq_len 8192), packed into rows of 8192 tokens as --pack does (best-fit
+decreasing within windows of packing.WINDOW documents, packing.py): a segment is an image's h*w patches plus its
+class tokens. Errors are found in child processes (a CUDA error can leave the context unusable), run with CUDA_LAUNCH_BLOCKING=1 so that an error names its own call; a child that fails is
 restarted at the next case. Prints one JSON line a finding, then a table of times.
 """
 import argparse

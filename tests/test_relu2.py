@@ -160,7 +160,8 @@ def test_pointwise_and_weight_gradient_helpers():
 
 def test_vision_projector(monkeypatch):
     """The projector (Linear, relu^2, Linear: radio.VisionModel.mlp1) runs through relu2_linear: the same output and
-    gradients, its [Q, projector_hidden] squared ReLU not kept (4 image rows here: 16 patches after the 2 x 2 pixel shuffle)."""
+    gradients, its [Q, projector_hidden] squared ReLU not kept (4 image rows here: 16 patches after the 2 x 2 pixel
+    shuffle)."""
     cfg = config.resolve("tiny")
     torch.manual_seed(0)
     vision = radio.VisionModel(cfg)
